@@ -1,0 +1,64 @@
+"""Command line:  python -m minibatch generate "def fib(n):" --max-tokens 80
+                 python -m minibatch demo continuous --out demo.gif
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(args) -> int:
+    from .llm import LLM
+    from .sampler import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
+    spec = {"method": args.speculative, "num_speculative_tokens": args.k} if args.speculative else None
+    llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec)
+    t = time.perf_counter()
+    out = llm.generate([args.prompt], params)[0]
+    dt = time.perf_counter() - t
+    comp = out.outputs[0]
+    print(f"# minibatch · model {args.preset} ({llm.model.num_params():,} parameters) · device {llm.device} · "
+          f"backend {args.backend}", file=sys.stderr)
+    print(args.prompt + comp.text)
+    print(f"# {len(comp.token_ids)} tokens in {dt:.2f} s ({len(comp.token_ids) / dt:.1f} tokens/s), "
+          f"finish reason: {comp.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minibatch", description="minibatch: LLM serving, step by step")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete a prompt with the shipped model")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=80)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--preset", default="target")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--backend", default="torch", help="attention backend: dense, torch or triton")
+    g.add_argument("--speculative", choices=["draft", "ngram"], default=None)
+    g.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+    d = sub.add_parser("demo", help="lecture demos: continuous, paged, speculative")
+    d.add_argument("scenario")
+    d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default demo-<scenario>.gif")
+    d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
+    d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return _generate(args)
+        from .demo import run_demo
+        return run_demo(args.scenario, out=args.out, text_only=args.text, small=args.small)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
