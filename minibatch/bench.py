@@ -1,0 +1,149 @@
+"""Benchmarks: measured in one process, against a baseline, on the same model and workload.
+
+    python -m minibatch.bench batching     [--workload longtail --num-requests 96 --max-num-seqs 32]
+    python -m minibatch.bench speculative  [--ks 1,2,3,4,6,8 --batch-sizes 1,8]
+
+Timings are wall-clock on whatever device runs the model; both sides of every
+ratio run in this process, one after the other, after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .llm import LLM
+from .metrics import format_table, summarize
+from .trace import TraceRecorder
+from .weights import load_model
+from .workload import describe, make_workload
+
+
+def run_workload(model, workload, temperature=0.0, **engine_kwargs):
+    """Drive an engine through a workload on the real clock (arrivals honoured); return (summary, traces, outs)."""
+    llm = LLM(model, **engine_kwargs)
+    eng, rec = llm.llm_engine, TraceRecorder()
+    eng.add_hook(rec)
+    pending = sorted(workload, key=lambda r: r.arrival_time)
+    t0, outs = time.perf_counter(), {}
+    while pending or eng.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival_time <= now:
+            r = pending.pop(0)
+            eng.add_request(r.request_id, r.prompt, r.sampling_params(temperature=temperature),
+                            priority=r.priority, arrival_time=t0 + r.arrival_time)
+        if not eng.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, pending[0].arrival_time - now)))
+            continue
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    wall = time.perf_counter() - t0
+    metrics = [outs[r.request_id].metrics for r in workload]
+    return summarize(metrics, rec.traces, wall), rec.traces, outs
+
+
+def bench_batching(args) -> None:
+    model = load_model("target", device=args.device)
+    wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival=args.arrival,
+                       rate=args.rate)
+    print(f"device: {model.device}; model: target ({model.num_params():,} parameters)")
+    print(describe(wl))
+    common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, attention_backend=args.backend)
+    run_workload(model, wl[:4], **common)                                   # warm-up
+    rows, outputs = {}, {}
+    for name in ("static", "continuous"):
+        summary, _, outs = run_workload(model, wl, scheduling=name, **common)
+        rows[name], outputs[name] = summary, outs
+    same = all(outputs["static"][r.request_id].outputs[0].token_ids ==
+               outputs["continuous"][r.request_id].outputs[0].token_ids for r in wl)
+    print(format_table(rows, ratio=("continuous", "static")))
+    ratio = rows["continuous"]["output_tokens_per_s"] / rows["static"]["output_tokens_per_s"]
+    print(f"\ncontinuous / static throughput: {ratio:.2f}x; mean occupancy "
+          f"{rows['static']['mean_occupancy']:.0%} (static) vs {rows['continuous']['mean_occupancy']:.0%} "
+          f"(continuous); greedy outputs identical: {same}")
+
+
+def bench_speculative(args) -> None:
+    from .data import val_documents
+    model = load_model("target", device=args.device)
+    draft = load_model("draft", device=model.device)
+    print(f"device: {model.device}; target {model.num_params():,} parameters, draft {draft.num_params():,}")
+    docs = val_documents(32, min_len=600, seed=11)
+    prompts = [d[:160].decode("utf-8", "ignore") for d in docs]
+    from .sampler import SamplingParams
+    from .speculative import expected_tokens_per_step
+    c = _cost_ratio(model, draft)
+    print(f"draft/target cost per forward, c = {c:.2f} (measured, batch 1 decode step)")
+    header = f"{'entropy':<8}{'batch':>6}{'method':>8}{'k':>4}{'tok/s':>9}{'speedup':>9}{'alpha':>7}" \
+             f"{'tok/fwd':>9}{'formula':>9}"
+    print(header)
+    for temp, label in ((0.0, "low"), (1.0, "high")):
+        for bs in args.batch_sizes:
+            ps = prompts[:bs]
+            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0 if temp else None)
+            base = _timed(LLM(model, max_num_seqs=max(bs, 1)), ps, sp)
+            print(f"{label:<8}{bs:>6}{'none':>8}{0:>4}{base[0]:>9.1f}{1.0:>9.2f}")
+            for method in ("draft", "ngram"):
+                for k in args.ks:
+                    llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1),
+                              speculative_config={"method": method, "num_speculative_tokens": k})
+                    tps, outs = _timed(llm, ps, sp)
+                    st = outs[0].outputs[0].spec
+                    prop = sum(o.outputs[0].spec["proposed"] for o in outs)
+                    acc = sum(o.outputs[0].spec["accepted"] for o in outs)
+                    steps = sum(o.outputs[0].spec["num_steps"] for o in outs)
+                    emitted = sum(o.outputs[0].spec["emitted"] for o in outs)
+                    alpha = acc / prop if prop else 0.0
+                    print(f"{label:<8}{bs:>6}{method:>8}{k:>4}{tps:>9.1f}{tps / base[0]:>9.2f}{alpha:>7.2f}"
+                          f"{emitted / max(steps, 1):>9.2f}{expected_tokens_per_step(alpha, k):>9.2f}")
+
+
+def _timed(llm, prompts, params):
+    llm.generate(prompts[:1], params, use_tqdm=False)                      # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return n / (time.perf_counter() - t), outs
+
+
+def _cost_ratio(model, draft, reps=50) -> float:
+    from .sampler import SamplingParams
+    times = []
+    for m in (model, draft):
+        llm = LLM(m, max_num_seqs=1)
+        eng = llm.llm_engine
+        eng.add_request("c", "def f(x):\n", SamplingParams(temperature=0, max_tokens=reps + 1))
+        eng.step()                                                           # prefill
+        t = time.perf_counter()
+        for _ in range(reps):
+            eng.step()
+        times.append((time.perf_counter() - t) / reps)
+    return times[1] / times[0]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=["batching", "speculative"])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--workload", default="longtail")
+    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--arrival", default="offline")
+    ap.add_argument("--rate", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 6, 8])
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    (bench_batching if args.which == "batching" else bench_speculative)(args)
+
+
+if __name__ == "__main__":
+    main()
