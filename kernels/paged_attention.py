@@ -1,0 +1,291 @@
+"""Paged attention for any mix of query lengths, in one Triton kernel.
+
+The flat batch of one engine iteration holds, side by side, sequences in very
+different states: a **decode** (1 new token, long context), a **prefill**
+(q_len = seq_len), a **chunked prefill** (a later chunk of a long prompt, the
+earlier chunks already in the cache) and a **speculative verify** (q_len =
+k + 1). All of them are the same computation: new query token i of sequence b
+sits at position ``p = seq_len - q_len + i`` and attends causally to the keys at
+positions ``0..p``, which live in the paged KV cache, scattered over physical
+blocks that the sequence's **block table** names (vLLM paper, Kwon et al. 2023,
+section 4.1). This step's own keys are already in the cache (``store_kv`` ran
+first), so "causal with a context offset" is the only mask needed.
+
+Parallelisation. One program per (sequence, tile of query tokens, KV head).
+Under grouped-query attention (GQA, Ainslie et al. 2023) the G = H / Hkv query
+heads of a group read the same K/V, so a program takes all of them at once:
+its BLOCK_M rows are (query token, head of the group) pairs, and every K/V tile
+is loaded once for G heads. Each program walks the sequence's keys BLOCK_N at a
+time, looking each key's physical block up in the block table, and keeps a
+FlashAttention online softmax (Dao et al. 2022, section 3.1; Milakov &
+Gimelshein 2018): a running max m, running sum l and unnormalised output acc,
+all float32, rescaled whenever the max grows. Nothing of size seq_len is ever
+materialised. (The next step for long decodes is splitting the keys over
+several programs, "flash-decoding"; not done here.)
+
+Shapes: T new tokens in the flat batch, B sequences, H query heads, Hkv KV
+heads, D head dim.
+    query [T, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
+    block_tables [B, max_blocks] int32/int64; seq_lens [B]; query_start_loc [B+1]
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32          # keys per inner-loop iteration (any cache block size works)
+PREFILL_ROWS = 64     # target rows (token, head) per program when q_len > 1
+MIN_DOT = 16          # every tl.dot dimension >= 16 keeps all Triton versions / GPUs happy
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale,
+    stride_qt, stride_qh, stride_qd,              # query [T, H, D]
+    stride_ot, stride_oh, stride_od,              # out   [T, H, D]
+    stride_kb, stride_ks, stride_kh, stride_kd,   # key_cache   [blocks, block_size, Hkv, D]
+    stride_vb, stride_vs, stride_vh, stride_vd,   # value_cache [blocks, block_size, Hkv, D]
+    stride_bt,                                    # block_tables row stride
+    block_size, head_dim,
+    QUERIES_PER_KV: tl.constexpr,   # G = H // Hkv query heads share one KV head
+    BLOCK_Q: tl.constexpr,          # query tokens per program
+    BLOCK_M: tl.constexpr,          # rows per program: BLOCK_Q * G rounded up to 2^k, >= 16
+    BLOCK_N: tl.constexpr,          # keys per iteration
+    BLOCK_D: tl.constexpr,          # head_dim rounded up to 2^k, >= 16
+    DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (no TF32 rounding), else "tf32"
+):
+    seq = tl.program_id(0)          # which sequence of the batch
+    q_tile = tl.program_id(1)       # which tile of its new tokens
+    kv_head = tl.program_id(2)      # which KV head (and so which group of query heads)
+
+    # --- Where this sequence's queries are, and where they sit in it. ---------
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    tile_start = q_tile * BLOCK_Q
+    # The grid is sized for the longest query; shorter ones (a decode next to
+    # a prefill, or q_len = 0) have nothing to do in the later tiles.
+    if tile_start >= q_len:
+        return
+    context_len = seq_len - q_len   # tokens cached before this step's tokens
+
+    # --- Rows: (query token, head of the group) pairs. -------------------------
+    # Row r is token tile_start + r // G of the sequence, head kv_head*G + r % G.
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    # Rows past BLOCK_Q*G are padding (BLOCK_M is a power of two), rows past
+    # q_len belong to the next sequence: neither is loaded nor stored.
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (tok < q_len)
+    q_pos = context_len + tok       # absolute position: the causal limit of the row
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim     # lanes past head_dim (non power-of-two D) are masked
+    q_ptrs = (q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)                 # [BLOCK_M, BLOCK_D]
+
+    # --- Online softmax state, float32 whatever the input dtype. --------------
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)          # running max of scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)                        # running sum of exp
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)               # running sum of exp * v
+
+    # The tile's last token decides how far into the context we must read;
+    # keys beyond it are in no row's causal window, so they are never loaded.
+    last_tok = tl.minimum(tile_start + BLOCK_Q, q_len) - 1
+    kv_end = context_len + last_tok + 1                          # <= seq_len
+
+    for start_n in range(0, kv_end, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)                  # [BLOCK_N] key positions
+        k_valid = k_pos < kv_end
+        # Paging: logical block k_pos // block_size -> physical block, via the
+        # block table. Masked, so padding entries past the last block are
+        # never read (they may hold -1 or garbage).
+        phys = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size,
+                       mask=k_valid, other=0).to(tl.int64)
+        in_block = k_pos % block_size                            # row inside that block
+
+        # K^T tile [BLOCK_D, BLOCK_N], loaded transposed so the dot needs no
+        # tl.trans. Masking on k_valid keeps unused slots (NaN in the tests,
+        # stale data in real life) out of the arithmetic altogether.
+        kT_ptrs = (k_cache_ptr + phys[None, :] * stride_kb + in_block[None, :] * stride_ks
+                   + kv_head * stride_kh + offs_d[:, None] * stride_kd)
+        kT = tl.load(kT_ptrs, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
+
+        # Scores for every (row, key) pair, float32 accumulation.
+        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        # Causal with the context offset: row at position p sees keys 0..p.
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax update. m_safe avoids (-inf) - (-inf) = NaN in a row
+        # that has seen no visible key yet (only padding rows can).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])                          # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp(m_i - m_safe)                             # rescales the old state
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = (v_cache_ptr + phys[:, None] * stride_vb + in_block[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_d[None, :] * stride_vd)
+        v = tl.load(v_ptrs, mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        # p goes to the value dtype for the tensor-core dot (as FlashAttention does).
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Normalise; l_i > 0 for every valid row (key 0 is always visible).
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = (out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+              + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+
+
+def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
+                       query_start_loc, scale, max_query_len, who="paged_attention") -> int:
+    """Raise one clear TypeError/ValueError for bad input; return the max q_len.
+
+    Shape and dtype checks cost nothing; the value checks (offsets, lengths,
+    block-table entries in range) need one host sync, taken once for all.
+    """
+    named = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                 block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if query.dim() != 3:
+        raise ValueError(f"{who}: query must be [T, num_heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"{who}: key_cache and value_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_dim], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    T, H, D = query.shape
+    num_blocks, block_size, Hkv, Dc = key_cache.shape
+    if D != Dc:
+        raise ValueError(f"{who}: query head_dim {D} != cache head_dim {Dc}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"{who}: num_heads {H} is not a multiple of num_kv_heads {Hkv}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"{who}: block_size {block_size} is not a power of two")
+    if query.dtype not in _FLOATS:
+        raise TypeError(f"{who}: query dtype {query.dtype} unsupported; use one of {_FLOATS}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(f"{who}: query is {query.dtype} but the caches are "
+                        f"{key_cache.dtype} / {value_cache.dtype}; they must match")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        if named[name].dtype not in _INTS:
+            raise TypeError(f"{who}: {name} must be int32 or int64, got {named[name].dtype}")
+    if block_tables.dim() != 2 or seq_lens.dim() != 1 or query_start_loc.dim() != 1:
+        raise ValueError(f"{who}: want block_tables [B, max_blocks], seq_lens [B], query_start_loc "
+                         f"[B+1]; got {tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, "
+                         f"{tuple(query_start_loc.shape)}")
+    B = seq_lens.shape[0]
+    if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
+        raise ValueError(f"{who}: {B} seq_lens, but block_tables has {block_tables.shape[0]} rows "
+                         f"and query_start_loc {query_start_loc.shape[0]} entries (want B+1)")
+    devices = {x.device for x in named.values()}
+    if len(devices) != 1:
+        raise ValueError(f"{who}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"{who}: scale must be a finite real number, got {scale!r}")
+    if max_query_len is not None and (isinstance(max_query_len, bool)
+                                      or not isinstance(max_query_len, int) or max_query_len < 0):
+        raise TypeError(f"{who}: max_query_len must be None or an int >= 0, got {max_query_len!r}")
+    if B == 0:
+        if T != 0 or query_start_loc[0].item() != 0:
+            raise ValueError(f"{who}: no sequences but {T} query tokens")
+        return 0
+
+    # --- Value checks, one sync for all of them. ------------------------------
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    sl = seq_lens.long()
+    max_blocks = block_tables.shape[1]
+    n_used = (sl.clamp(min=0) + block_size - 1) // block_size          # blocks each sequence reads
+    used = torch.arange(max_blocks, device=sl.device)[None, :] < n_used[:, None]
+    bt = block_tables.long()
+    bad_entry = used & ((bt < 0) | (bt >= num_blocks))
+    facts = torch.stack([
+        qsl[0] != 0, qsl[-1] != T, (q_lens < 0).any(), (sl < q_lens).any(),
+        (n_used > max_blocks).any(), bad_entry.any(), q_lens.max(),
+    ]).tolist()
+    first_bad, last_bad, neg_len, short_seq, few_blocks, bad_bt, max_q = facts
+    if first_bad or last_bad:
+        raise ValueError(f"{who}: query_start_loc must start at 0 and end at T = {T}, got "
+                         f"{qsl[0].item()} .. {qsl[-1].item()}")
+    if neg_len:
+        raise ValueError(f"{who}: query_start_loc must be non-decreasing")
+    if short_seq:
+        raise ValueError(f"{who}: a sequence has seq_len < its number of new query tokens "
+                         f"(seq_lens counts this step's tokens too)")
+    if few_blocks:
+        raise ValueError(f"{who}: a sequence needs more blocks than block_tables has columns "
+                         f"({max_blocks} x block_size {block_size})")
+    if bad_bt:
+        raise ValueError(f"{who}: a used block_tables entry is outside [0, {num_blocks})")
+    if max_query_len is not None and max_query_len < max_q:
+        raise ValueError(f"{who}: max_query_len {max_query_len} < the longest query {max_q}")
+    return int(max_q)
+
+
+def _tiles(max_q_len: int, queries_per_kv: int):
+    """Pick (BLOCK_Q, BLOCK_M): one token per program for decode, many for prefill."""
+    if max_q_len <= 1:
+        block_q = 1                      # decode: one token, all G heads of the group
+    else:
+        block_q = max(1, min(triton.next_power_of_2(max_q_len), PREFILL_ROWS // queries_per_kv))
+    block_m = max(MIN_DOT, triton.next_power_of_2(block_q * queries_per_kv))
+    return block_q, block_m
+
+
+def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale, max_q_len, out):
+    """Launch the kernel on already-checked inputs (the benchmark times this)."""
+    T, H, D = query.shape
+    Hkv = key_cache.shape[2]
+    G = H // Hkv
+    block_q, block_m = _tiles(max_q_len, G)
+    grid = (seq_lens.shape[0], triton.cdiv(max_q_len, block_q), Hkv)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out,
+        block_tables, seq_lens, query_start_loc,
+        float(scale),
+        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
+        block_tables.stride(0),
+        key_cache.shape[1], D,
+        QUERIES_PER_KV=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float,
+                    max_query_len: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of the flat batch's queries over the paged KV cache.
+
+    query [T, H, D] -> out [T, H, D] (query dtype). Sequence b's queries are rows
+    query_start_loc[b]:query_start_loc[b+1]; its context (this step's tokens
+    included, already stored) is seq_lens[b] tokens, found through
+    block_tables[b]. max_query_len, if given, must be >= every q_len.
+    """
+    max_q = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
+                               query_start_loc, scale, max_query_len)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0 or max_q == 0:
+        return out
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                   scale, max_q, out)

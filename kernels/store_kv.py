@@ -1,0 +1,139 @@
+"""Write this step's keys and values into the paged KV cache, by slot mapping.
+
+Before attention can read a token's key and value from the paged cache, they
+have to be *in* it. The engine hands us, for each of the T new tokens of the
+flat batch, one **slot**: ``slot = block_id * block_size + offset``, i.e. which
+physical block and which row inside that block the token's K/V belong in
+(vLLM paper, Kwon et al. 2023, section 4.1: "PagedAttention" stores each
+sequence's KV cache in non-contiguous fixed-size blocks). A slot of -1 means
+"do not store this token" (vLLM uses it for padding tokens).
+
+This is a scatter, nothing more: ``key_cache.view(-1, Hkv, D)[slot[t]] = key[t]``.
+The Triton version launches one program per token; each program moves that
+token's whole ``[Hkv, D]`` key and value tile with one masked load and one
+masked store each.
+
+Shapes:
+    key, value              [T, Hkv, D]
+    key_cache, value_cache  [num_blocks, block_size, Hkv, D]  (any strides)
+    slot_mapping            [T] int32 or int64, -1 = skip
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr,                  # [T, Hkv, D] new keys / values
+    key_cache_ptr, value_cache_ptr,      # [num_blocks, block_size, Hkv, D]
+    slot_mapping_ptr,                    # [T]
+    stride_kt, stride_kh, stride_kd,     # strides of key (elements, not bytes)
+    stride_vt, stride_vh, stride_vd,     # strides of value
+    stride_cb, stride_cs, stride_ch, stride_cd,   # strides of key_cache
+    stride_wb, stride_ws, stride_wh, stride_wd,   # strides of value_cache
+    block_size,                          # rows (tokens) per cache block
+    num_kv_heads, head_dim,              # true sizes; the tile below may be larger
+    BLOCK_H: tl.constexpr,               # num_kv_heads rounded up to a power of two
+    BLOCK_D: tl.constexpr,               # head_dim rounded up to a power of two
+):
+    # One program per token of the flat batch.
+    t = tl.program_id(0)
+
+    # Where does this token go? A slot of -1 means "skip": the program exits
+    # before touching memory, so those cache rows keep their old contents.
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block_id = slot // block_size        # which physical block
+    offset = slot % block_size           # which row inside it
+
+    # A [BLOCK_H, BLOCK_D] grid of (head, dim) indices. Tile sizes must be
+    # powers of two in Triton, so we round up and mask the extra lanes off:
+    # without the mask the padded lanes would read the next token's key and
+    # write into the neighbouring cache row.
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+
+    # Gather key[t, :, :] and value[t, :, :] (strided, so views work too).
+    src_k = key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
+    src_v = value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+
+    # Scatter into row `offset` of block `block_id`. The cache strides are
+    # passed in, so a layer's K/V views of the big 6-d cache need no copy.
+    dst_k = (key_cache_ptr + block_id * stride_cb + offset * stride_cs
+             + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd)
+    dst_v = (value_cache_ptr + block_id * stride_wb + offset * stride_ws
+             + offs_h[:, None] * stride_wh + offs_d[None, :] * stride_wd)
+    tl.store(dst_k, k, mask=mask)
+    tl.store(dst_v, v, mask=mask)
+
+
+def _check_store_inputs(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Raise one clear TypeError/ValueError for bad input; touch nothing."""
+    names = ("key", "value", "key_cache", "value_cache", "slot_mapping")
+    for name, x in zip(names, (key, value, key_cache, value_cache, slot_mapping)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"store_kv: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if key.dim() != 3 or value.dim() != 3:
+        raise ValueError(f"store_kv: key and value must be [T, num_kv_heads, head_dim], "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"store_kv: key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"store_kv: key_cache and value_cache must both be "
+                         f"[num_blocks, block_size, num_kv_heads, head_dim], got "
+                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(f"store_kv: key has (num_kv_heads, head_dim) = {tuple(key.shape[1:])} "
+                         f"but the cache holds {tuple(key_cache.shape[2:])}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"store_kv: slot_mapping must be [T] = [{key.shape[0]}], "
+                         f"got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"store_kv: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    dtypes = {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
+    if len(dtypes) != 1:
+        raise TypeError(f"store_kv: key, value and the caches must share one dtype, got "
+                        f"{key.dtype}, {value.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    devices = {x.device for x in (key, value, key_cache, value_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"store_kv: all tensors must be on one device, got {sorted(map(str, devices))}")
+    # Value checks (one host sync): an out-of-range slot would write outside
+    # the cache; two tokens with one slot would race and leave either value.
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel():
+        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+        stored = slot_mapping[slot_mapping >= 0]
+        dup = stored.numel() != torch.unique(stored).numel()
+        if bool(bad.any()):
+            raise ValueError(f"store_kv: slot_mapping holds {slot_mapping[bad][0].item()}, "
+                             f"outside [-1, {num_slots}) (num_blocks * block_size)")
+        if dup:
+            raise ValueError("store_kv: two tokens map to the same slot; each slot holds one token")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key[t]``/``value[t]`` into cache slot ``slot_mapping[t]`` (in place).
+
+    key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D]
+    (strided views are fine); slot_mapping: [T] int32/int64, -1 = skip the token.
+    """
+    _check_store_inputs(key, value, key_cache, value_cache, slot_mapping)
+    T, num_kv_heads, head_dim = key.shape
+    if T == 0:
+        return
+    grid = (T,)
+    _store_kv_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        key_cache.shape[1], num_kv_heads, head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
