@@ -113,8 +113,9 @@ def _paged_attention_kernel(
         in_block = k_pos % block_size                            # row inside that block
 
         # K^T tile [BLOCK_D, BLOCK_N], loaded transposed so the dot needs no
-        # tl.trans. Masking on k_valid keeps unused slots (NaN in the tests,
-        # stale data in real life) out of the arithmetic altogether.
+        # tl.trans. The k_valid mask skips slots past the context (the tail of
+        # the last block: stale data, NaN in the tests); their scores are
+        # replaced by -inf below anyway, so here the mask only saves traffic.
         kT_ptrs = (k_cache_ptr + phys[None, :] * stride_kb + in_block[None, :] * stride_ks
                    + kv_head * stride_kh + offs_d[:, None] * stride_kd)
         kT = tl.load(kT_ptrs, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
@@ -135,6 +136,7 @@ def _paged_attention_kernel(
 
         v_ptrs = (v_cache_ptr + phys[:, None] * stride_vb + in_block[:, None] * stride_vs
                   + kv_head * stride_vh + offs_d[None, :] * stride_vd)
+        # Here the mask is essential: p = 0 for a hidden key, but 0 * NaN = NaN.
         v = tl.load(v_ptrs, mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         # p goes to the value dtype for the tensor-core dot (as FlashAttention does).
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

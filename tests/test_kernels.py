@@ -168,11 +168,10 @@ def test_paged_attention_random_mixes(seqs, block_size, heads):
 
 
 # ----------------------------------------------------------------------------- paged_decode
-@pytest.mark.parametrize("block_size", [8, 32])
-@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("heads,block_size", [("mha", 8), ("gqa", 16), ("mqa", 32), ("gqa", 32)])
 def test_paged_decode_matches_reference_and_general_kernel(heads, block_size):
     H, Hkv = HEADS[heads]
-    batch = make_batch([1, 1, 1, 1], [1, 37, 64, 9], block_size, H, Hkv, D=24, seed=2)
+    batch = make_batch([1, 1, 1, 1], [1, 37, 50, 9], block_size, H, Hkv, D=24, seed=2)
     out, ref = run_both(batch, 0.2)
     dec = kernels.paged_decode(batch["query"], batch["key_cache"], batch["value_cache"],
                                batch["block_tables"], batch["seq_lens"], 0.2)
@@ -221,12 +220,11 @@ def test_store_then_attend_equals_plain_causal_attention():
     bt = torch.tensor([[7, 2, 9], [4, 0, 0]], dtype=torch.int32)
     slots = torch.cat([bt[b, torch.arange(L) // block_size].long() * block_size
                        + torch.arange(L) % block_size for b, L in enumerate(lens)])
-    to = lambda *xs: [x.to(DEVICE) for x in xs]
-    q_d, k_d, v_d, kc_d, vc_d, bt_d, slots_d = to(q, k, v, kc, vc, bt, slots)
+    meta = [torch.tensor(x, dtype=torch.int32) for x in (lens, [0, 13, 18])]
+    q_d, k_d, v_d, kc_d, vc_d, bt_d, slots_d, sl_d, qsl_d = (
+        x.to(DEVICE) for x in (q, k, v, kc, vc, bt, slots, *meta))
     kernels.store_kv(k_d, v_d, kc_d, vc_d, slots_d)
-    out = kernels.paged_attention(q_d, kc_d, vc_d, bt_d, torch.tensor(lens, dtype=torch.int32,
-                                  device=DEVICE), torch.tensor([0, 13, 18], dtype=torch.int32,
-                                  device=DEVICE), D ** -0.5)
+    out = kernels.paged_attention(q_d, kc_d, vc_d, bt_d, sl_d, qsl_d, D ** -0.5)
     start = 0
     for L in lens:
         qs, ks, vs = (x[start:start + L].double().transpose(0, 1) for x in (q, k, v))
