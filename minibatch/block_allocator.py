@@ -1,0 +1,340 @@
+"""The block allocator: the pool of physical KV blocks, ref counts, the prefix cache, copy-on-write.
+
+PagedAttention (Kwon et al., SOSP'23) cuts the KV cache into fixed-size **blocks** of
+``block_size`` token slots. A sequence's *logical* blocks (tokens 0..bs-1, bs..2bs-1, ...) map
+to *physical* blocks anywhere in the pool through its **block table** (§4.2). A block is taken
+only when the last one is full, so a sequence wastes only the unfilled tail of its last block
+(§4.3), instead of a whole max-length reservation.
+
+Sharing (§4.4). A block may sit in several block tables; its **ref count** says in how many.
+``fork`` (parallel sampling, n > 1) shares every block of the parent. A shared block is never
+written: a sequence about to write into one gets a fresh block and the caller copies the KV
+over first (**copy-on-write**, per block; ``append_slots`` returns the (src, dst) pairs).
+
+Prefix caching (vLLM's *automatic prefix caching*; the shared-prefix case of §4.4). A *full,
+computed* block is identified by a hash chained over its parent block's hash and its own tokens,
+so equal hashes mean equal prefixes; a new sequence reuses the blocks of its longest cached
+prefix (whole blocks) and skips computing them. The hash is an index, not a proof: a hit is
+verified against the tokens stored with the entry *and* the exact entry its parent matched
+(``serial``s are never reused), so a collision can only cost a miss, never a wrong answer.
+
+Free list policy (vLLM v1's): free blocks wait in **one queue ordered by when they were freed**;
+a fresh block is taken from the front, and a cache entry it still holds is evicted then. So a
+cached-but-free block stays reusable until it reaches the front (least recently freed first).
+A sequence's blocks are freed *tail first*: its last blocks (least likely shared) go first.
+A hit on a cached-free block takes it out of the queue (ref count 0 -> 1). Never-used blocks
+start in the queue in id order, so a fresh pool hands out 0, 1, 2, ...
+
+Every failed call raises before changing anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free blocks; the allocator is unchanged (the scheduler preempts or waits)."""
+
+
+class UnknownSequenceError(KeyError):
+    """No such sequence (never allocated, or already freed)."""
+
+    def __str__(self):                       # KeyError would print the message with quotes
+        return str(self.args[0])
+
+
+def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple) -> int:
+    """Chained content hash of one full block: hash(parent block's hash, this block's tokens).
+
+    sha256 so that it is the same in every run (replayed traces, tests); 64 bits
+    are plenty for a dict key since every hit is verified against stored tokens.
+    """
+    text = f"{parent_hash}|{','.join(map(str, token_ids))}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    block_hash: int
+    tokens: tuple                            # the block's block_size token ids, kept to verify hits
+    parent_serial: Optional[int]             # serial of the entry its parent block matched; None = first block
+    serial: int                              # unique for ever: an evicted entry's serial never comes back
+
+
+@dataclass
+class _Seq:
+    blocks: list                             # block table: logical block i -> physical block id
+    tokens: list                             # the tokens it holds slots for
+    num_computed: int = 0                    # leading tokens whose KV is written
+    chain: list = field(default_factory=list)  # (hash, serial) of its leading computed full blocks
+
+
+def _as_tokens(token_ids, what: str) -> list:
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"{what} must be a list of ints, got {type(token_ids).__name__}")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in token_ids):
+        raise TypeError(f"{what} must contain only ints")
+    return [int(t) for t in token_ids]
+
+
+def _as_count(n, what: str) -> int:
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+        raise TypeError(f"{what} must be an int, got {type(n).__name__}")
+    return int(n)
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        num_blocks, block_size = _as_count(num_blocks, "num_blocks"), _as_count(block_size, "block_size")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._ref = [0] * num_blocks
+        self._free: OrderedDict = OrderedDict.fromkeys(range(num_blocks))   # front = taken next
+        self._seqs: dict = {}
+        self._cache: dict = {}                # block hash -> block id
+        self._entries: dict = {}              # block id -> CacheEntry
+        self._next_serial = 0
+        self.hits = 0                         # cumulative full blocks reused by allocate
+        self.queries = 0                      # cumulative full blocks allocate could have reused
+
+    # -- reading the state ------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def has_seq(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def _get(self, seq_id) -> _Seq:
+        if seq_id not in self._seqs:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)")
+        return self._seqs[seq_id]
+
+    def block_table(self, seq_id) -> list:
+        return list(self._get(seq_id).blocks)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._get(seq_id).tokens)
+
+    def token_ids(self, seq_id) -> list:
+        return list(self._get(seq_id).tokens)
+
+    def num_computed(self, seq_id) -> int:
+        return self._get(seq_id).num_computed
+
+    def ref_count(self, block_id: int) -> int:
+        if not isinstance(block_id, numbers.Integral) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id!r} is not in 0..{self.num_blocks - 1}")
+        return self._ref[block_id]
+
+    def ref_counts(self) -> list:
+        return list(self._ref)
+
+    def free_block_ids(self) -> list:
+        """The free queue, front (taken next) first."""
+        return list(self._free)
+
+    def cached_block_ids(self) -> list:
+        return sorted(self._entries)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        num_tokens = _as_count(num_tokens, "num_tokens")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    def snapshot(self) -> dict:
+        """Everything, as plain data: equal snapshots mean equal allocators (tests use it)."""
+        return {"seqs": {k: (list(s.blocks), list(s.tokens), s.num_computed, list(s.chain))
+                         for k, s in self._seqs.items()},
+                "ref": list(self._ref), "free": list(self._free), "cache": dict(self._cache),
+                "entries": dict(self._entries), "serial": self._next_serial,
+                "hits": self.hits, "queries": self.queries}
+
+    # -- the prefix cache ---------------------------------------------------------
+    def _lookup(self, tokens: list) -> list:
+        """[(block, hash, serial)] of the longest verified cached prefix, leaving the last token out."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, found, parent_hash, parent_serial = self.block_size, [], None, None
+        for i in range((len(tokens) - 1) // bs):          # cap: the last token is always computed
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(parent_hash, chunk)
+            e = self._entries.get(self._cache.get(h))
+            if e is None or e.tokens != chunk or e.parent_serial != parent_serial:
+                break                                       # a miss (or a hash collision: still a miss)
+            found.append((self._cache[h], h, e.serial))
+            parent_hash, parent_serial = h, e.serial
+        return found
+
+    def num_cached_prefix_tokens(self, token_ids) -> int:
+        return len(self._lookup(_as_tokens(token_ids, "token_ids"))) * self.block_size
+
+    def _evict(self, block: int) -> None:
+        e = self._entries.pop(block, None)
+        if e is not None and self._cache.get(e.block_hash) == block:
+            del self._cache[e.block_hash]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cache entry (blocks in use keep their KV; they are just no longer findable)."""
+        self._cache.clear()
+        self._entries.clear()
+        for s in self._seqs.values():
+            s.chain = []
+
+    # -- taking and returning blocks ------------------------------------------------
+    def _take_fresh(self) -> int:
+        block, _ = self._free.popitem(last=False)           # the least recently freed block
+        self._evict(block)                                  # its old cache entry (if any) dies here
+        self._ref[block] = 1
+        return block
+
+    def _release(self, blocks: list) -> None:
+        for b in reversed(blocks):                          # tail first: last blocks are evicted first
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None                        # to the back of the queue
+
+    def _check_new_id(self, seq_id) -> None:
+        if seq_id in self._seqs:                            # (an unhashable id raises TypeError here)
+            raise ValueError(f"sequence {seq_id!r} already exists")
+
+    def _plan(self, token_ids):
+        """(tokens, prefix hits, fresh blocks needed, free blocks left for them) of a new sequence."""
+        tokens = _as_tokens(token_ids, "token_ids")
+        if not tokens:
+            raise ValueError("token_ids is empty: a sequence needs at least one token")
+        hits = self._lookup(tokens)
+        free = len(self._free) - sum(self._ref[b] == 0 for b, _, _ in hits)   # free hits leave the queue
+        return tokens, hits, self.blocks_needed(len(tokens)) - len(hits), free
+
+    def can_allocate(self, token_ids) -> bool:
+        _, _, fresh, free = self._plan(token_ids)
+        return fresh <= free
+
+    def allocate(self, seq_id, token_ids) -> int:
+        """A new sequence holding ``token_ids``; returns how many leading tokens the cache already holds."""
+        self._check_new_id(seq_id)
+        tokens, hits, fresh, free = self._plan(token_ids)
+        if fresh > free:
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {fresh} fresh blocks, {free} are free")
+        blocks = []
+        for b, _, _ in hits:                                # first, so taking fresh ones cannot evict them
+            if self._ref[b] == 0:
+                del self._free[b]                           # a cached-but-free block comes back
+            self._ref[b] += 1
+            blocks.append(b)
+        blocks += [self._take_fresh() for _ in range(fresh)]
+        if self.enable_prefix_caching:
+            self.queries += (len(tokens) - 1) // self.block_size
+            self.hits += len(hits)
+        n_cached = len(hits) * self.block_size
+        self._seqs[seq_id] = _Seq(blocks, tokens, n_cached, [(h, s) for _, h, s in hits])
+        return n_cached
+
+    def append_slots(self, seq_id, new_token_ids) -> list:
+        """Grow by these tokens; returns the copy-on-write (src, dst) block pairs to copy before writing."""
+        s = self._get(seq_id)
+        new = _as_tokens(new_token_ids, "new_token_ids")
+        if not new:
+            return []
+        n_old = len(s.tokens)
+        grow = self.blocks_needed(n_old + len(new)) - len(s.blocks)
+        last = s.blocks[-1] if n_old % self.block_size else None     # partly filled: we write into it
+        cow = last is not None and self._ref[last] > 1
+        if grow + cow > len(self._free):
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {grow + cow} blocks, {len(self._free)} are free")
+        pairs = []
+        if cow:                                             # shared: write into a private copy (§4.4)
+            dst = self._take_fresh()
+            self._ref[last] -= 1
+            s.blocks[-1] = dst
+            pairs.append((last, dst))
+        elif last is not None:
+            self._evict(last)      # private but still cached (after a truncate): its content changes now
+        s.blocks += [self._take_fresh() for _ in range(grow)]
+        s.tokens += new
+        return pairs
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (rejected speculative tokens go); release spare blocks."""
+        s = self._get(seq_id)
+        n = _as_count(num_tokens, "num_tokens")
+        if not 0 <= n <= len(s.tokens):
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of {len(s.tokens)} tokens to {n}")
+        keep = self.blocks_needed(n)
+        self._release(s.blocks[keep:])
+        del s.blocks[keep:], s.tokens[n:], s.chain[n // self.block_size:]
+        s.num_computed = min(s.num_computed, n)
+
+    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
+        """The KV of the first ``num_computed_tokens`` is written: register its full blocks in the cache."""
+        s = self._get(seq_id)
+        n = _as_count(num_computed_tokens, "num_computed_tokens")
+        if not s.num_computed <= n <= len(s.tokens):
+            raise ValueError(f"sequence {seq_id!r}: num_computed_tokens must be in {s.num_computed}.."
+                             f"{len(s.tokens)} (computed so far .. tokens held), got {n}")
+        s.num_computed = n
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while len(s.chain) < n // bs:                     # only computed blocks are ever shared
+            i = len(s.chain)
+            chunk, block = tuple(s.tokens[i * bs:(i + 1) * bs]), s.blocks[i]
+            parent_hash, parent_serial = s.chain[-1] if s.chain else (None, None)
+            h = hash_block_tokens(parent_hash, chunk)
+            e = self._entries.get(block)       # set already: a prefix hit, or a block shared by fork
+            if e is None and h in self._cache:
+                e = self._entries[self._cache[h]]           # same content already cached in another block
+                if e.tokens != chunk or e.parent_serial != parent_serial:
+                    break                                   # a collision: leave the rest uncached
+            elif e is None:
+                e = CacheEntry(h, chunk, parent_serial, self._next_serial)
+                self._next_serial += 1
+                self._entries[block], self._cache[h] = e, block
+            s.chain.append((h, e.serial))
+
+    def free(self, seq_id) -> None:
+        """Return the sequence's blocks; those whose ref count reaches 0 join the free queue."""
+        self._release(self._get(seq_id).blocks)
+        del self._seqs[seq_id]
+
+    def fork(self, parent_id, child_id) -> None:
+        """The child shares every block of the parent (ref counts up); writes will copy-on-write."""
+        p = self._get(parent_id)
+        self._check_new_id(child_id)
+        for b in p.blocks:
+            self._ref[b] += 1
+        self._seqs[child_id] = _Seq(list(p.blocks), list(p.tokens), p.num_computed, list(p.chain))
+
+    # -- invariants -------------------------------------------------------------------
+    def check_invariants(self, live_seq_ids=None) -> None:
+        bs, counts = self.block_size, [0] * self.num_blocks
+        if live_seq_ids is not None:
+            assert set(live_seq_ids) == set(self._seqs), \
+                f"live sequences {sorted(map(str, live_seq_ids))} != allocated {sorted(map(str, self._seqs))}"
+        for sid, s in self._seqs.items():
+            assert len(s.blocks) == self.blocks_needed(len(s.tokens)), \
+                f"{sid!r}: {len(s.blocks)} blocks for {len(s.tokens)} tokens"
+            assert len(set(s.blocks)) == len(s.blocks), f"{sid!r}: a block twice in one table {s.blocks}"
+            assert len(s.chain) * bs <= s.num_computed <= len(s.tokens), f"{sid!r}: computed count broken"
+            for i, b in enumerate(s.blocks):
+                counts[b] += 1
+                e, held = self._entries.get(b), tuple(s.tokens[i * bs:(i + 1) * bs])
+                assert e is None or e.tokens[:len(held)] == held, f"{sid!r}: block {b} differs from its entry"
+                assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
+        assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
+        free = [b for b in range(self.num_blocks) if counts[b] == 0]
+        assert sorted(self._free) == free, f"free queue {list(self._free)} != blocks with ref 0 {free}"
+        assert len(self._cache) == len(self._entries), "cache maps disagree"
+        for h, b in self._cache.items():
+            e = self._entries.get(b)
+            assert e is not None and e.block_hash == h and len(e.tokens) == bs, f"cache entry of block {b} broken"
