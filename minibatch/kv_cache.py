@@ -1,0 +1,122 @@
+"""The KV cache tensors, and the slot mapping that says where each new token's K and V go.
+
+One tensor holds every layer's keys and values, cut into blocks (Kwon et al.,
+SOSP'23, §4.1-4.2):
+
+    kv[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+       layer l's keys  = kv[l, 0]   [num_blocks, block_size, Hkv, D]
+       layer l's values = kv[l, 1]
+
+A token's **slot** is its place in that pool: ``slot = block_id * block_size +
+offset``, where ``block_id = block_table[position // block_size]`` and
+``offset = position % block_size``. The engine computes one slot per new token
+(the **slot mapping**) so the attention backend can store K/V with a single
+scatter, whatever mix of prefill and decode the batch is.
+
+Block ids are the allocator's business (``block_allocator.py``); this module
+only owns memory and the position -> slot arithmetic.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device="cpu", debug_nan: bool = False):
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # debug_nan: a slot never written reads as NaN, so any read of one poisons the output and shows
+        fill = float("nan") if debug_nan else 0.0
+        self.kv = torch.full(shape, fill, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def _layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer!r} is not in 0..{self.num_layers - 1}")
+        return layer
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[self._layer(layer), 0]          # a view [num_blocks, block_size, Hkv, D]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[self._layer(layer), 1]
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write: block dst becomes a copy of block src, in every layer, keys and values."""
+        pairs = [tuple(p) for p in pairs]
+        if not pairs:
+            return
+        for p in pairs:
+            if len(p) != 2 or not all(isinstance(b, int) and 0 <= b < self.num_blocks for b in p):
+                raise ValueError(f"copy pair {p!r}: need (src, dst) block ids in 0..{self.num_blocks - 1}")
+        dst = [d for _, d in pairs]
+        if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in pairs}:
+            raise ValueError(f"copy pairs {pairs}: a destination twice, or a destination that is also a source")
+        src_t = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        self.kv[:, :, dst_t] = self.kv[:, :, src_t]     # the right side is gathered (copied) first
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """K and V of block_size tokens in every layer: 2 * L * bs * Hkv * D * element size."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @classmethod
+    def from_memory_budget(cls, budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype = torch.float32, device="cpu", **kw) -> "KVCache":
+        """As many blocks as fit in ``budget_bytes`` (vLLM sizes its cache from free GPU memory this way)."""
+        per = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = int(budget_bytes) // per
+        if num_blocks < 1:
+            raise ValueError(f"a budget of {budget_bytes} bytes holds no block ({per} bytes each)")
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, **kw)
+
+
+def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") -> torch.Tensor:
+    """slots[T] int64 of the new tokens: sequence b's positions starts[b] .. starts[b] + counts[b] - 1.
+
+    T = sum(counts), in batch order. Every position must fall inside the blocks
+    its table holds (the allocator gave them out before this step).
+    """
+    if not len(block_tables) == len(starts) == len(counts):
+        raise ValueError(f"block_tables, starts, counts have different lengths "
+                         f"({len(block_tables)}, {len(starts)}, {len(counts)})")
+    out = []
+    for b, (table, start, count) in enumerate(zip(block_tables, starts, counts)):
+        if start < 0 or count < 0:
+            raise ValueError(f"sequence {b}: start {start} and count {count} must be >= 0")
+        if -(-(start + count) // block_size) > len(table):
+            raise ValueError(f"sequence {b}: positions up to {start + count - 1} need "
+                             f"{-(-(start + count) // block_size)} blocks, its block table has {len(table)}")
+        pos = torch.arange(start, start + count)
+        blocks = torch.tensor(list(table), dtype=torch.int64)[pos // block_size] if count else pos
+        if count and int(blocks.min()) < 0:
+            raise ValueError(f"sequence {b}: block table {list(table)} has a negative block id")
+        out.append(blocks * block_size + pos % block_size)
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)).to(device)
+
+
+def block_table_tensor(block_tables, device="cpu") -> torch.Tensor:
+    """block_tables[B, max_blocks] int32, each row padded with -1 past its sequence's blocks."""
+    width = max((len(t) for t in block_tables), default=0)
+    out = torch.full((len(block_tables), width), -1, dtype=torch.int32)
+    for b, t in enumerate(block_tables):
+        out[b, :len(t)] = torch.tensor(list(t), dtype=torch.int32)
+    return out.to(device)
