@@ -127,8 +127,7 @@ def live(engine, recorder: TraceRecorder = None, dpi: int = 90, run_limit: int =
         """One engine.step(); returns its outputs (None when nothing is left to run)."""
         if not engine.has_unfinished_requests():
             status.value = "all requests have finished: add requests to the engine to continue"
-            step_button.disabled = run_button.disabled = True
-            return None
+            return None                                   # (buttons stay live: more may be added)
         before = len(recorder)
         outputs = engine.step()
         if len(recorder) == before:
