@@ -63,6 +63,7 @@ def _pool_columns(num_blocks: int) -> int:
 def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=None) -> dict:
     """Draw the block pool after ``step``; with ``ax=None`` a new figure holds the
     pool and, beside it, the block tables (``tables_ax`` does that for a given Axes).
+    ``ncols`` overrides the grid width; ``order`` (seq_order) fixes the colours.
 
     Returns {"ax", "cells": [{"block", "state", "owners", "ref_count", "cached", "patches"}],
              "labels": {block: ref-count text}, "counts": {state: n}, "tables": ... or None}.
