@@ -92,13 +92,13 @@ def main(argv=None) -> dict:
     print(f"workload: {len(reqs)} requests, seed {args.seed}; prompt ~ uniform[{max(1, m // 16)}, "
           f"{max(1, m // 2)}], output ~ lognormal(median {m / 8:g}, sigma 1) >= 1, prompt + output <= {m}")
     print(f"  total length: mean {tokens / len(reqs):.1f}, median {lens[len(lens) // 2]}, max {lens[-1]}")
-    print(f"\nshare of reserved KV memory holding real tokens (every request at its final length):")
+    print("\nshare of reserved KV memory holding real tokens (every request at its final length):")
     print(f"  (a) contiguous, {m} slots reserved per request : {100 * contiguous:5.1f} %")
     print(f"  (b) paged, block size {args.block_size:<3d} (BlockAllocator)  : {100 * paged:5.1f} %"
           f"   (waste {100 * (1 - paged):.1f} %: the unfilled tails of last blocks)")
     print(f"\nsequences that fit at once in {BUDGET_CONTEXTS} x {m} = {BUDGET_CONTEXTS * m} slots:")
     print(f"  (a) contiguous: {fit_contig}    (b) paged: {fit_paged}  ({fit_paged / fit_contig:.1f}x)")
-    print(f"\nblock size   token share   waste   sequences that fit")
+    print("\nblock size   token share   waste   sequences that fit")
     for bs in BLOCK_SIZES:
         print(f"  {bs:>8d}   {100 * by_bs[bs]:9.1f} %   {100 * (1 - by_bs[bs]):4.1f} %   {fit_by_bs[bs]:>8d}")
     print(f"\n{PAPER}")
