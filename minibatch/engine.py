@@ -63,6 +63,8 @@ class LLMEngine:
         c, mc = config, model.config
         if c.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {c.attention_backend!r}; choose one of {list(BACKENDS)}")
+        if not isinstance(c.max_num_seqs, int) or c.max_num_seqs < 1:    # before it sizes the cache below
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {c.max_num_seqs!r}")
         if c.num_gpu_blocks is None:
             num_blocks = c.max_num_seqs * math.ceil(mc.n_ctx / c.block_size)
         else:

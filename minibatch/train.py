@@ -82,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--distill", action="store_true", help="learn the shipped target's distributions")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--out", default=None, help="directory for the checkpoint (default: minibatch/weights)")
+    ap.add_argument("--init", action="store_true",
+                    help="continue from the shipped checkpoint of this preset (a second, lower-lr stage)")
     args = ap.parse_args(argv)
     cfg = get_config(args.preset)
     if args.threads:
@@ -90,6 +92,11 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     train, val = load_corpus("train"), load_corpus("val")
     model = GPT(cfg)
+    previous = None
+    if args.init:                                                 # stage 2: start from the shipped weights
+        from .weights import read_manifest
+        previous = read_manifest(args.preset)
+        model.load_state_dict(load_model(args.preset, device="cpu").state_dict())
     teacher = load_model("target", device="cpu") if args.distill else None
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -131,6 +138,12 @@ def main(argv=None):
             "tokens_seen": args.steps * args.batch_size * args.seq_len,
             "train_minutes": round((time.time() - t0) / 60, 1), "python": ".".join(map(str, __import__("sys").version_info[:3])),
             "final": log[-1], "log": log}
+    if previous is not None:                                      # keep the recipe reproducible: every stage
+        stages = previous.get("stages", [{k: previous[k] for k in ("steps", "lr", "seed", "tokens_seen",
+                                                                     "train_minutes", "final") if k in previous}])
+        info["stages"] = stages + [{k: info[k] for k in ("steps", "lr", "seed", "tokens_seen",
+                                                         "train_minutes", "final")} | {"init": previous["sha256"]}]
+        info["tokens_seen"] = sum(st["tokens_seen"] for st in info["stages"])
     kw = {"directory": args.out} if args.out else {}
     print("saved", save_checkpoint(model, info, **kw))
 
