@@ -191,8 +191,9 @@ class DenseAttention:
         return dense_causal_attention(q, k, v, self.query_start_loc)
 
 
+@torch.no_grad()
 def forward_sequences(model: GPT, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Convenience: logits[len(s), V] for each complete token list, in one flat batch."""
+    """Convenience: logits[len(s), V] for each complete token list, in one flat batch (inference only)."""
     dev = model.device
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
     pos = torch.tensor([p for s in seqs for p in range(len(s))], dtype=torch.long, device=dev)

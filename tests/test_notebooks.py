@@ -1,0 +1,86 @@
+"""The notebooks in notebooks/: stored clean, and every code cell runs headless.
+
+Each notebook's code cells are executed in order, in one namespace, in a fresh
+Python process started in notebooks/ (the working directory Jupyter gives them),
+with matplotlib's Agg backend and, without CUDA, Triton's CPU interpreter. No
+Jupyter kernel is needed: widget cells build their ipywidgets objects without a
+front end, and ``display`` prints a repr. A failing cell shows up in the
+traceback as ``<NAME.ipynb cell N>``.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = ["01_model_and_generation.ipynb", "02_paged_kv_cache.ipynb", "03_continuous_batching.ipynb",
+             "04_speculative_decoding.ipynb", "05_triton_kernels.ipynb"]
+TIMEOUT_S = 300          # each takes ~5-15 s on a 2-core CPU; this only catches a hang
+
+# Runs in the child process: argv[1] is the notebook's file name.
+RUNNER = r"""
+import json, sys, time
+nb = json.load(open(sys.argv[1], encoding="utf-8"))
+ns = {"__name__": "__main__"}
+for i, cell in enumerate(nb["cells"]):
+    if cell["cell_type"] != "code":
+        continue
+    t = time.perf_counter()
+    exec(compile("".join(cell["source"]), f"<{sys.argv[1]} cell {i}>", "exec"), ns)
+    if "matplotlib.pyplot" in sys.modules:            # as if each cell's figures had been shown
+        sys.modules["matplotlib.pyplot"].close("all")
+    print(f"[cell {i}: {time.perf_counter() - t:.2f} s]", flush=True)
+"""
+
+
+def load(name):
+    return json.loads((NB_DIR / name).read_text(encoding="utf-8"))
+
+
+def code_cells(nb):
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def test_every_notebook_is_listed():
+    assert sorted(p.name for p in NB_DIR.glob("*.ipynb")) == NOTEBOOKS
+    readme = (NB_DIR / "README.md").read_text(encoding="utf-8")
+    for name in NOTEBOOKS:
+        assert name in readme, f"notebooks/README.md does not mention {name}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_stored_clean(name):
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(str(NB_DIR / name), as_version=4)
+    nbformat.validate(nb)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.lstrip().startswith("# "), \
+        f"{name}: the first cell must be a markdown title ('# ...')"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert cell.outputs == [] and cell.execution_count is None, \
+            f"{name} cell {i} has stored outputs: clear them before committing (diffs stay small)"
+        magics = [line for line in cell.source.splitlines() if line.lstrip().startswith(("%", "!"))]
+        assert not magics, f"{name} cell {i} uses IPython magics {magics}: the notebooks must run as plain Python"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name):
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    # a tiny model gains nothing from intra-op threads, and on a busy 2-core machine they oversubscribe
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", RUNNER, name], cwd=NB_DIR, env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")[-3000:]
+        pytest.fail(f"{name} did not finish in {TIMEOUT_S} s; last output:\n{out}")
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
