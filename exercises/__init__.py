@@ -1,0 +1,176 @@
+"""Exercises: write five pieces of the serving engine yourself, graded by pytest.
+
+The reference implementations live in ``minibatch/``; yours live here, one file
+per piece (``ex1_slot_mapping.py`` ... ``ex5_ngram.py``). One switch chooses,
+per piece, which of the two the graded tests and the engine use, so a student
+stuck on one piece can go on to the next with the reference in its place:
+
+    MINIBATCH_STUDENT=slot_mapping,paged_attention   # these pieces are yours
+    MINIBATCH_STUDENT=ex1,ex2                        # the same, by part
+    MINIBATCH_STUDENT=all                            # every piece is yours
+    (unset or empty)                                 # the reference everywhere
+
+    MINIBATCH_STUDENT_DIR=/path/to/dir               # where your ex*.py files are
+                                                     # (default: this package)
+
+``get(piece)`` returns the implementation under test; ``reference(piece)`` the
+one in ``minibatch/``; ``patch_engine()`` makes the engine itself call yours.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str          # the piece's name in MINIBATCH_STUDENT
+    part: str          # its pytest marker, ex1 .. ex5
+    stem: str          # the student's file, without .py
+    func: str          # the function to write
+    module: str        # where the reference lives
+    title: str         # for the grade table
+
+
+PIECES = {p.name: p for p in (
+    Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv_cache", "slot mapping"),
+    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.attention",
+          "paged attention"),
+    Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampler", "top-k / top-p"),
+    Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.speculative",
+          "rejection sampler"),
+    Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.speculative", "n-gram proposer"),
+)}
+BY_PART = {p.part: p for p in PIECES.values()}
+
+# Modules that call a piece through a module-level name: patch_engine rebinds these
+# (``from .kv_cache import slot_mapping as _slot_mapping`` copies the function into attention.py,
+# so patching minibatch.kv_cache alone would not reach the call in AttentionMetadata.build).
+CALL_SITES = {
+    "slot_mapping": [("minibatch.kv_cache", "slot_mapping"), ("minibatch.attention", "_slot_mapping")],
+    "paged_attention": [("minibatch.attention", "paged_attention_torch")],   # the "torch" backend
+    "top_k_top_p": [("minibatch.sampler", "apply_top_k_top_p")],            # called by probabilities()
+    "rejection_sampler": [("minibatch.speculative", "rejection_sample"), ("minibatch.engine", "rejection_sample")],
+    "ngram": [("minibatch.speculative", "ngram_propose"), ("minibatch.proposers", "ngram_propose")],
+}
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+_ORIGINALS: dict = {}      # piece -> the reference function, saved before patch_engine replaces it
+_LOADED: dict = {}         # (path, mtime) -> the student's module
+
+
+def piece(name: str) -> Piece:
+    """A piece by name (``slot_mapping``) or by part (``ex1``); a ValueError names the valid ones."""
+    key = name.strip().lower()
+    if key in PIECES:
+        return PIECES[key]
+    if key in BY_PART:
+        return BY_PART[key]
+    valid = ", ".join(f"{p.name} ({p.part})" for p in PIECES.values())
+    raise ValueError(f"unknown exercise piece {name!r}; valid pieces: {valid}, or 'all'")
+
+
+def selected(spec: str | None = None) -> set:
+    """The piece names that are the student's: MINIBATCH_STUDENT (or ``spec``), parsed."""
+    spec = os.environ.get("MINIBATCH_STUDENT", "") if spec is None else spec
+    names = [s for s in (x.strip() for x in spec.split(",")) if s]
+    if any(n.lower() == "all" for n in names):
+        return set(PIECES)
+    return {piece(n).name for n in names}
+
+
+def student_dir() -> Path:
+    """MINIBATCH_STUDENT_DIR, or this package (where the stubs are)."""
+    d = os.environ.get("MINIBATCH_STUDENT_DIR", "")
+    return Path(d).expanduser().resolve() if d else PACKAGE_DIR
+
+
+def reference(name: str):
+    """The reference implementation in minibatch/ (the original, even after patch_engine)."""
+    p = piece(name)
+    if p.name in _ORIGINALS:
+        return _ORIGINALS[p.name]
+    return getattr(importlib.import_module(p.module), p.func)
+
+
+def student(name: str):
+    """The student's function, loaded from <student_dir>/<stem>.py (re-read when the file changes)."""
+    p = piece(name)
+    path = student_dir() / f"{p.stem}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{p.name}: the student's file {path} does not exist "
+                                f"(MINIBATCH_STUDENT_DIR={os.environ.get('MINIBATCH_STUDENT_DIR', '')!r})")
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _LOADED:
+        # a unique module name per file, so stubs, mutants and solutions never share a module
+        tag = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+        spec = importlib.util.spec_from_file_location(f"_minibatch_student_{tag}_{p.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod           # dataclasses and pickling look the module up here
+        spec.loader.exec_module(mod)
+        _LOADED[key] = mod
+    fn = getattr(_LOADED[key], p.func, None)
+    if not callable(fn):
+        raise AttributeError(f"{path} must define a function {p.func}()")
+    return fn
+
+
+def get(name: str):
+    """The implementation under test: the student's if MINIBATCH_STUDENT selects the piece, else the reference."""
+    p = piece(name)
+    return student(p.name) if p.name in selected() else reference(p.name)
+
+
+class EnginePatch:
+    """What patch_engine changed; ``undo()`` (or leaving a ``with`` block) puts the reference back."""
+
+    def __init__(self):
+        self.changes = []      # (module, attribute, previous value)
+
+    def undo(self) -> None:
+        for mod, attr, old in reversed(self.changes):
+            setattr(mod, attr, old)
+        self.changes.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+    def __repr__(self):
+        return "EnginePatch(" + ", ".join(f"{m.__name__}.{a}" for m, a, _ in self.changes) + ")"
+
+
+def patch_engine(spec: str | None = None) -> EnginePatch:
+    """Make the engine call the student's code for every selected piece (MINIBATCH_STUDENT, or ``spec``).
+
+    Rebinds each call site in CALL_SITES, and any other loaded minibatch module attribute
+    that still holds the reference function (a ``from .x import f`` we did not list).
+    Attention: the student's paged attention runs only with ``attention_backend="torch"``.
+    """
+    patch = EnginePatch()
+    for name in sorted(selected(spec)):
+        new = student(name)          # load first: a broken file fails before anything is changed
+        ref = reference(name)
+        _ORIGINALS.setdefault(name, ref)
+        for mod_name, _ in CALL_SITES[name]:
+            importlib.import_module(mod_name)
+        sites = set(CALL_SITES[name])
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is not None and mod_name.split(".")[0] == "minibatch":
+                sites |= {(mod_name, a) for a, v in list(vars(mod).items()) if v is ref}
+        for mod_name, attr in sorted(sites):
+            mod = sys.modules[mod_name]
+            patch.changes.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, new)
+    return patch
+
+
+__all__ = ["PIECES", "Piece", "get", "reference", "student", "selected", "student_dir", "patch_engine",
+           "EnginePatch", "piece"]

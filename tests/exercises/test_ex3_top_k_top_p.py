@@ -1,0 +1,119 @@
+"""Exercise 3, graded: top-k and top-p filtering (exercises/ex3_top_k_top_p.py).
+
+Hand-worked rows probe the edges (ties at the k-th logit, the token that crosses
+the nucleus boundary, ties with it, top-p on the distribution top-k left);
+random rows are checked against a plain-Python oracle and the reference, with
+top_p placed halfway between two cumulative masses so rounding cannot matter.
+"""
+import math
+import random
+
+import pytest
+import torch
+
+import exercises
+
+pytestmark = pytest.mark.ex3
+NEG_INF = float("-inf")
+
+
+def run(logits, top_k, top_p):
+    logits = torch.tensor(logits, dtype=torch.float32) if not isinstance(logits, torch.Tensor) else logits
+    before = logits.clone()
+    got = exercises.get("top_k_top_p")(logits, top_k, top_p)
+    assert isinstance(got, torch.Tensor) and got.shape == logits.shape, "must return logits of the same shape [V]"
+    ref = exercises.reference("top_k_top_p")(before.clone(), top_k, top_p)
+    return before, got, ref
+
+
+def kept_set(x):
+    return {i for i, v in enumerate(x.tolist()) if v != NEG_INF}
+
+
+def check_keeps(logits, top_k, top_p, want):
+    """Exactly the tokens in ``want`` survive, with their logits unchanged; the rest are -inf."""
+    before, got, ref = run(logits, top_k, top_p)
+    assert kept_set(got) == set(want), f"top_k={top_k} top_p={top_p}: kept {sorted(kept_set(got))}, want {sorted(want)}"
+    idx = torch.tensor(sorted(want))
+    assert torch.equal(got[idx], before[idx]), "kept logits must keep their values"
+    assert kept_set(ref) == set(want)
+
+
+def logits_of(probs):
+    return [math.log(p) for p in probs]
+
+
+def test_top_k_keeps_the_k_largest():
+    check_keeps([0.5, -1.0, 2.0, 0.1, 1.5, -0.3], 3, 1.0, want={2, 4, 0})
+
+
+def test_top_k_keeps_ties_with_the_kth():
+    # the 2nd largest logit is 3.0, shared by three tokens: all three stay
+    check_keeps([1.0, 3.0, 3.0, 3.0, 0.0], 2, 1.0, want={1, 2, 3})
+
+
+def test_switched_off_is_the_identity():
+    row = [0.3, -2.0, 1.1, 0.0, -0.7]
+    for top_k, top_p in ((-1, 1.0), (0, 1.0), (5, 1.0), (9, 1.0)):
+        before, got, _ = run(row, top_k, top_p)
+        assert torch.equal(got, before), f"top_k={top_k}, top_p={top_p} must change nothing"
+
+
+@pytest.mark.parametrize("top_p,want", [(0.45, {2}), (0.6, {2, 0}), (0.9, {2, 0, 4})])
+def test_top_p_keeps_the_token_that_crosses_the_boundary(top_p, want):
+    # probabilities 0.3 (token 0), 0.5 (token 2), 0.2 (token 4); tokens 1 and 3 are far below
+    check_keeps(logits_of([0.3, 1e-4, 0.5, 1e-4, 0.2 - 2e-4]), -1, top_p, want)
+
+
+def test_top_p_tiny_keeps_at_least_the_most_probable():
+    check_keeps(logits_of([0.1, 0.6, 0.3]), -1, 1e-6, want={1})
+
+
+def test_top_p_keeps_ties_with_the_last_token_kept():
+    # 0.4 alone does not reach 0.5; the next token (0.3) crosses, and the other 0.3 is tied with it
+    check_keeps(logits_of([0.3, 0.4, 0.3]), -1, 0.5, want={0, 1, 2})
+    check_keeps([0.7] * 5, -1, 0.3, want=set(range(5)))
+
+
+def test_top_p_uses_the_distribution_after_top_k():
+    # top-k=2 leaves 0.4 and 0.3, renormalised to 4/7 and 3/7: 4/7 alone already reaches 0.5
+    check_keeps(logits_of([0.1, 0.3, 0.2, 0.4]), 2, 0.5, want={3})
+
+
+def oracle(logits, top_k, top_p):
+    """Plain Python: the top-k threshold, then the nucleus over the renormalised survivors."""
+    x = [float(v) for v in logits]
+    if 0 < top_k < len(x):
+        kth = sorted(x, reverse=True)[top_k - 1]
+        x = [v if v >= kth else NEG_INF for v in x]
+    if top_p < 1:
+        m = max(x)
+        e = [math.exp(v - m) for v in x]
+        p = [ei / sum(e) for ei in e]
+        mass, last = 0.0, None
+        for pi in sorted(p, reverse=True):
+            if mass >= top_p:
+                break
+            mass, last = mass + pi, pi
+        x = [v if pi >= last else NEG_INF for v, pi in zip(x, p)]
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_rows_match_the_oracle(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(4):
+        V = rng.choice([7, 32, 50])
+        logits = torch.randn(V, generator=g) * rng.choice([0.5, 2.0])
+        top_k = rng.choice([-1, 1, 3, V // 2, V])
+        # top_p halfway between the masses of the i and i+1 most probable survivors of top-k
+        surv = torch.tensor(oracle(logits.tolist(), top_k, 1.0)).double().softmax(-1).sort(descending=True).values
+        cum = surv.cumsum(0).tolist()
+        i = rng.randrange(0, max(1, int((surv > 1e-3).sum()) - 1))
+        top_p = min(0.999, (cum[i] + (cum[i - 1] if i else 0.0)) / 2)
+        before, got, ref = run(logits, top_k, top_p)
+        want = torch.tensor(oracle(before.tolist(), top_k, top_p))
+        assert torch.equal(got, want), f"V={V} top_k={top_k} top_p={top_p:.4f}: kept {sorted(kept_set(got))}, " \
+                                       f"want {sorted(kept_set(want))}"
+        assert torch.equal(ref, want)

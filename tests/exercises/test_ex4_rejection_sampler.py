@@ -1,0 +1,161 @@
+"""Exercise 4, graded: the rejection sampler (exercises/ex4_rejection_sampler.py).
+
+Greedy rows and rows whose acceptance has probability 0 or 1 have one right
+answer, checked table by table (and against the reference). Random rows are
+checked by what the method promises: the first emitted token is distributed as
+p (Leviathan et al., Appendix A.1), the bonus token as p_{k+1}, and a seeded row
+samples the same tokens alone or in any batch.
+"""
+import pytest
+import torch
+
+import exercises
+
+pytestmark = pytest.mark.ex4
+V = 6
+
+
+def peaked(argmaxes, V=V):
+    """[n, V]: 0.5 at each argmax, 0.1 elsewhere, so a non-argmax token is still possible."""
+    p = torch.full((len(argmaxes), V), 0.5 / (V - 1), dtype=torch.float64)
+    p[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 0.5
+    return p
+
+
+def one_hot(tokens, V=V):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).double()
+
+
+def sample(*args, **kw):
+    out = exercises.get("rejection_sampler")(*args, **kw)
+    assert isinstance(out, tuple) and len(out) == 2, "return (tokens, num_accepted)"
+    tokens, n = out
+    B, k = args[0].shape
+    assert tokens.dtype == torch.int64 and tuple(tokens.shape) == (B, k + 1), \
+        f"tokens must be int64 [B, k+1] = [{B}, {k + 1}], got {tokens.dtype} {tuple(tokens.shape)}"
+    assert n.dtype == torch.int64 and tuple(n.shape) == (B,), f"num_accepted must be int64 [{B}]"
+    return tokens.tolist(), n.tolist()
+
+
+def reference(*args, **kw):
+    tokens, n = exercises.reference("rejection_sampler")(*args, **kw)
+    return tokens.tolist(), n.tolist()
+
+
+def random_q(B, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(B, k, V, generator=g, dtype=torch.float64).add(0.05).softmax(-1)
+
+
+GREEDY = {  # name: (drafts, argmax of p_1..p_{k+1}, want tokens, want num_accepted)
+    "all_accepted_plus_bonus": ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], 3),
+    "first_rejected": ([0, 2, 3], [1, 2, 3, 4], [1, -1, -1, -1], 0),
+    "middle_mismatch": ([1, 5, 3], [1, 2, 3, 4], [1, 2, -1, -1], 1),
+    "last_mismatch": ([1, 2, 0], [1, 2, 3, 4], [1, 2, 3, -1], 2),
+    "no_drafts_k0": ([], [4], [4], 0),
+}
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("case", list(GREEDY))
+def test_greedy_table(case, with_q):
+    drafts, argmaxes, want, want_n = GREEDY[case]
+    k = len(drafts)
+    ids = torch.tensor([drafts], dtype=torch.int64).view(1, k)
+    p = peaked(argmaxes)[None]                              # [1, k+1, V]
+    q = random_q(1, k, seed=7) if with_q else None          # greedy ignores q
+    args = (ids, q, p, [torch.Generator().manual_seed(0)])
+    assert sample(*args, greedy=[True]) == ([want], [want_n])
+    assert reference(*args, greedy=[True]) == ([want], [want_n])
+
+
+def test_greedy_mixed_k_reads_only_the_first_k_b_drafts():
+    # row 1 is padded with real tokens that *would* be accepted (5, 0 are the argmaxes there): k_b = 1 says stop
+    ids = torch.tensor([[1, 2, 3], [2, 5, 0], [-1, -1, -1], [4, 0, -1]])
+    argmaxes = [[1, 2, 3, 4], [2, 5, 0, 1], [3, 0, 1, 2], [4, 1, 2, 3]]
+    p = torch.stack([peaked(a) for a in argmaxes])          # [4, 4, V]
+    kw = dict(num_draft_tokens=[3, 1, 0, 2], greedy=[True] * 4)
+    want = ([[1, 2, 3, 4], [2, 5, -1, -1], [3, -1, -1, -1], [4, 1, -1, -1]], [3, 1, 0, 1])
+    assert sample(ids, None, p, **kw) == want
+    assert reference(ids, None, p, **kw) == want
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+def test_certain_acceptance_then_bonus(with_q):
+    # p == q at every draft (n-gram: p one-hot at the draft): accepted with probability 1; the bonus is certain too
+    drafts = [[3, 0, 2], [1, 1, 4]]
+    ids = torch.tensor(drafts)
+    q = random_q(2, 3, seed=1) if with_q else None
+    p = torch.cat([q if with_q else one_hot(drafts), one_hot([[5], [0]])], dim=1)   # [2, 4, V]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    want = ([[3, 0, 2, 5], [1, 1, 4, 0]], [3, 3])
+    assert sample(ids, q, p, gens) == want
+    assert reference(ids, q, p, [torch.Generator().manual_seed(s) for s in (1, 2)]) == want
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+def test_certain_rejection_draws_from_the_residual(with_q):
+    # position 0: p == q (accepted); position 1: p(x) = 0, so x is rejected and the residual is one-hot at 3
+    ids = torch.tensor([[2, 1, 0]])
+    q = torch.full((1, 3, V), 1.0 / V, dtype=torch.float64) if with_q else None
+    p0 = q[:, 0] if with_q else one_hot([2])
+    p = torch.stack([p0[0], one_hot([3])[0], one_hot([4])[0], one_hot([5])[0]])[None]
+    want = ([[2, 3, -1, -1]], [1])
+    assert sample(ids, q, p, [torch.Generator().manual_seed(0)]) == want
+    assert reference(ids, q, p, [torch.Generator().manual_seed(0)]) == want
+
+
+P = torch.tensor([0.5, 0.25, 0.15, 0.10], dtype=torch.float64)      # the target at the first position
+P_BONUS = torch.tensor([0.7, 0.1, 0.1, 0.1], dtype=torch.float64)   # the target after it
+Q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)         # the draft model (far from P on purpose)
+
+
+def first_token_frequencies(fn, with_q, N=3000):
+    """Frequencies of the first emitted token over N rows, and of the bonus token over the rows that got one."""
+    g = torch.Generator().manual_seed(0)
+    if with_q:
+        drafts = torch.multinomial(Q, N, replacement=True, generator=g)[:, None]   # x ~ q, as the theorem assumes
+        q = Q.expand(N, 1, 4).clone()
+    else:
+        drafts = (torch.arange(N) % 4)[:, None]                                     # any x: q is one-hot at it
+        q = None
+    p = torch.stack([P, P_BONUS]).expand(N, 2, 4).clone()
+    torch.manual_seed(1234)                                  # generators=None: the global generator
+    tokens, n = fn(drafts, q, p)
+    tokens, n = torch.as_tensor(tokens), torch.as_tensor(n)
+    return tokens[:, 0], tokens[n == 1, 1]
+
+
+def assert_distributed_as(samples, want, what):
+    """Each token's frequency within 5 standard errors of its probability (a correct sampler fails ~1e-6)."""
+    n = max(1, samples.numel())
+    freq = torch.bincount(samples.clamp(min=0), minlength=4)[:4].double() / n
+    tol = 5 * (want * (1 - want) / n).sqrt() + 0.005
+    assert samples.numel() > 100 and bool(((freq - want).abs() <= tol).all()), \
+        f"{what}: frequencies {[round(f, 3) for f in freq.tolist()]} over {samples.numel()} draws, " \
+        f"want {want.tolist()}"
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+def test_first_token_is_distributed_as_the_target(with_q):
+    for name, fn in (("yours", exercises.get("rejection_sampler")),
+                     ("reference", exercises.reference("rejection_sampler"))):
+        first, bonus = first_token_frequencies(fn, with_q)
+        assert_distributed_as(first, P, f"{name}: the first emitted token")
+        assert_distributed_as(bonus, P_BONUS, f"{name}: the bonus token (rows with every draft accepted)")
+
+
+def test_seeded_rows_sample_the_same_alone_or_in_a_batch():
+    g = torch.Generator().manual_seed(5)
+    B, k = 5, 3
+    p = torch.rand(B, k + 1, V, generator=g, dtype=torch.float64).mul(3).softmax(-1)
+    q = random_q(B, k, seed=6)
+    ids = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, k)
+    seeds = [11, 12, 13, 14, 15]
+    fn = exercises.get("rejection_sampler")
+    batch = sample(ids, q, p, [torch.Generator().manual_seed(s) for s in seeds])
+    for b in range(B):
+        alone = sample(ids[b:b + 1], q[b:b + 1], p[b:b + 1], [torch.Generator().manual_seed(seeds[b])])
+        assert alone == ([batch[0][b]], [batch[1][b]]), f"row {b} differs alone and in the batch"
+    rev = fn(ids.flip(0), q.flip(0), p.flip(0), [torch.Generator().manual_seed(s) for s in seeds[::-1]])
+    assert rev[0].flip(0).tolist() == batch[0], "the batch order changed a seeded row's tokens"

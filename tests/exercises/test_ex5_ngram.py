@@ -1,0 +1,68 @@
+"""Exercise 5, graded: prompt lookup decoding (exercises/ex5_ngram.py).
+
+Hand-worked token lists probe the rules one at a time (the most recent match,
+longer n-grams first, the trailing n-gram not matching itself, an overlapping
+earlier match, the context running out); random repetitive lists are checked
+against an oracle written the other way round (collect every match, then pick
+the longest and latest) and against the reference.
+"""
+import random
+
+import pytest
+
+import exercises
+
+pytestmark = pytest.mark.ex5
+
+
+def propose(tokens, k, n_max=3, n_min=1):
+    got = exercises.get("ngram")(list(tokens), k, n_max, n_min)
+    assert isinstance(got, list) and all(isinstance(t, int) for t in got), f"must return a list of ints, got {got!r}"
+    assert got == exercises.reference("ngram")(list(tokens), k, n_max, n_min)
+    return got
+
+
+CASES = {  # name: (tokens, k, n_max, n_min, want)
+    "trigram_match": ([1, 2, 3, 4, 1, 2, 3], 2, 3, 1, [4, 1]),
+    "most_recent_match_wins": ([1, 2, 5, 1, 2, 6, 1, 2], 1, 2, 1, [6]),
+    "longest_ngram_first": ([4, 2, 3, 7, 9, 2, 3, 8, 4, 2, 3], 2, 3, 1, [7, 9]),
+    "falls_back_to_shorter": ([5, 1, 2, 8, 6, 2], 3, 3, 1, [8, 6, 2]),
+    "context_ends_before_k": ([5, 6, 5], 3, 3, 1, [6, 5]),
+    "overlapping_earlier_match": ([1, 1, 1, 1], 2, 3, 1, [1]),
+    "no_match": ([1, 2, 3, 4], 3, 3, 1, []),
+    "n_min_forbids_unigrams": ([1, 2, 3, 1], 3, 3, 2, []),
+    "n_max_1_unigram": ([7, 8, 9, 7, 3, 7], 2, 1, 1, [3, 7]),
+    "k_zero": ([1, 2, 1, 2], 0, 3, 1, []),
+    "too_short": ([4], 3, 3, 1, []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hand_worked(case):
+    tokens, k, n_max, n_min, want = CASES[case]
+    assert propose(tokens, k, n_max, n_min) == want
+
+
+def oracle(tokens, k, n_max, n_min):
+    """Every (n, start) whose n-gram equals the trailing one, start before it; the longest, then latest, wins."""
+    L = len(tokens)
+    if k == 0:
+        return []
+    hits = [(n, s) for n in range(n_min, min(n_max, L - 1) + 1) for s in range(0, L - n)
+            if tokens[s:s + n] == tokens[L - n:]]
+    if not hits:
+        return []
+    n, s = max(hits)
+    return tokens[s + n:s + n + k]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_repetitive_contexts(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        vocab = rng.choice([2, 3, 5])                         # a small vocabulary repeats a lot
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        k, n_min = rng.randrange(0, 6), rng.randrange(1, 3)
+        n_max = n_min + rng.randrange(0, 4)
+        want = oracle(tokens, k, n_max, n_min)
+        assert propose(tokens, k, n_max, n_min) == want, f"tokens {tokens} k={k} n_max={n_max} n_min={n_min}"

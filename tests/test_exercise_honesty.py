@@ -1,0 +1,200 @@
+"""The graded exercise tests are honest: stubs score nothing, known-wrong answers are caught, the reference passes.
+
+Each variant is graded exactly as a student is: its own pytest session over
+tests/exercises, with MINIBATCH_STUDENT and MINIBATCH_STUDENT_DIR pointing at a
+temporary directory that holds a full set of student files.
+  * the untouched stubs (MINIBATCH_STUDENT=all): every graded test fails;
+  * the reference behind the student switch (thin files that call minibatch/): every test passes;
+  * each mutant in exercises/mutants/<piece>_<bug>.py, in place of that piece's file,
+    graded on its part only (-m exN -x): at least one test fails.
+The sessions are forked from one process that imported torch once (exercises/_harness.py).
+Also here: the switch itself (exercises.get / selected / patch_engine).
+"""
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+import exercises
+from exercises import _harness
+
+PKG = Path(exercises.__file__).resolve().parent
+MUTANTS = sorted((PKG / "mutants").glob("*.py"))
+COMMON = ["-q", "-p", "no:cacheprovider", str(_harness.TESTS)]
+
+
+def mutant_piece(path: Path):
+    hits = [p for p in exercises.PIECES.values() if path.stem.startswith(p.name + "_")]
+    return max(hits, key=lambda p: len(p.name)) if hits else None
+
+
+def untouched(p) -> bool:
+    """The shipped stub: the function's body is its docstring and ``raise NotImplementedError(...)``."""
+    tree = ast.parse((PKG / f"{p.stem}.py").read_text())
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == p.func]
+    if len(fns) != 1:
+        return False
+    body = fns[0].body
+    return (len(body) == 2 and isinstance(body[0], ast.Expr) and isinstance(body[1], ast.Raise)
+            and "NotImplementedError" in ast.unparse(body[1]))
+
+
+def student_files(dest: Path, replace=None) -> Path:
+    """A full set of student files (the package's ex*.py), with one piece's file replaced if asked."""
+    dest.mkdir(parents=True)
+    for p in exercises.PIECES.values():
+        shutil.copy(PKG / f"{p.stem}.py", dest / f"{p.stem}.py")
+    if replace is not None:
+        piece, src = replace
+        shutil.copy(src, dest / f"{piece.stem}.py")
+    return dest
+
+
+def shim_files(dest: Path) -> Path:
+    """Student files that hand every call to the reference (and count it): the reference, behind the switch."""
+    dest.mkdir(parents=True)
+    for p in exercises.PIECES.values():
+        (dest / f"{p.stem}.py").write_text(
+            f"import exercises\n\nCALLS = []\n\n\ndef {p.func}(*args, **kwargs):\n    CALLS.append(1)\n"
+            f"    return exercises.reference({p.name!r})(*args, **kwargs)\n")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Run every variant once; {variant: (exit code, [TestResult], log text)}."""
+    tmp = tmp_path_factory.mktemp("honesty")
+    jobs, names = [], []
+
+    def add(name, student, directory, extra):
+        junit = tmp / f"{name}.xml"
+        jobs.append(_harness.Job([*COMMON, *extra, f"--junitxml={junit}"],
+                                 {"MINIBATCH_STUDENT": student, "MINIBATCH_STUDENT_DIR": str(directory)},
+                                 str(tmp / f"{name}.log")))
+        names.append((name, junit))
+
+    add("stubs", "all", student_files(tmp / "stubs"), [])
+    add("reference", "all", shim_files(tmp / "reference"), [])
+    for m in MUTANTS:
+        p = mutant_piece(m)
+        if p is not None:
+            add(m.stem, p.name, student_files(tmp / m.stem, (p, m)), ["-x", "-m", p.part])
+    rcs = _harness.run(jobs)
+    out = {}
+    for (name, junit), rc, job in zip(names, rcs, jobs):
+        results = _harness.parse_junit(junit) if junit.exists() else []
+        out[name] = (rc, results, Path(job.log).read_text(errors="replace"))
+    return out
+
+
+def test_every_piece_has_at_least_two_mutants():
+    assert all(mutant_piece(m) for m in MUTANTS), \
+        f"mutants must be named <piece>_<bug>.py: {[m.name for m in MUTANTS if not mutant_piece(m)]}"
+    for p in exercises.PIECES.values():
+        assert sum(mutant_piece(m) == p for m in MUTANTS) >= 2, f"{p.name}: fewer than 2 mutants"
+
+
+@pytest.mark.parametrize("part", sorted(exercises.BY_PART))
+def test_untouched_stubs_fail_every_graded_test(graded, part):
+    p = exercises.BY_PART[part]
+    if not untouched(p):
+        pytest.skip(f"exercises/{p.stem}.py is no longer the shipped stub (work in progress?); "
+                    f"this check runs on a clean checkout")
+    rc, results, log = graded["stubs"]
+    mine = [r for r in results if r.part == part]
+    assert len(mine) >= 3, f"{part}: only {len(mine)} graded tests collected\n{log[-3000:]}"
+    passed = [r.name for r in mine if r.outcome != "failed"]
+    assert not passed, f"{part}: the stub does not fail {passed}"
+    assert rc == 1
+
+
+def test_reference_passes_every_graded_test(graded):
+    rc, results, log = graded["reference"]
+    bad = [(r.part, r.name, r.output[:500]) for r in results if r.outcome != "passed"]
+    assert rc == 0 and results and not bad, f"{bad}\n{log[-3000:]}"
+    assert {r.part for r in results} == set(exercises.BY_PART)
+    assert len(results) == len(graded["stubs"][1]), "the stub and reference sessions collected different tests"
+
+
+@pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS])
+def test_mutant_fails_a_graded_test(graded, mutant):
+    rc, results, log = graded[mutant]
+    part = mutant_piece(PKG / "mutants" / f"{mutant}.py").part
+    failed = [r for r in results if r.outcome == "failed" and r.part == part]
+    assert rc == 1 and failed, f"{mutant} passed every {part} test it ran (exit {rc}):\n{log[-3000:]}"
+
+
+# -- the switch ------------------------------------------------------------------------------------------
+
+def test_switch_selects_per_piece(monkeypatch):
+    import minibatch.kv_cache
+    import minibatch.sampler
+    monkeypatch.delenv("MINIBATCH_STUDENT_DIR", raising=False)
+    monkeypatch.delenv("MINIBATCH_STUDENT", raising=False)
+    assert exercises.get("slot_mapping") is minibatch.kv_cache.slot_mapping
+    monkeypatch.setenv("MINIBATCH_STUDENT", " ex1, top_k_top_p ")
+    assert exercises.selected() == {"slot_mapping", "top_k_top_p"}
+    assert exercises.get("slot_mapping").__module__.endswith("ex1_slot_mapping")
+    assert exercises.get("ex3") is not minibatch.sampler.apply_top_k_top_p
+    assert exercises.get("ngram") is exercises.reference("ngram")
+    monkeypatch.setenv("MINIBATCH_STUDENT", "ALL")
+    assert exercises.selected() == set(exercises.PIECES)
+    monkeypatch.setenv("MINIBATCH_STUDENT", "slot_mapping,attention")
+    with pytest.raises(ValueError, match="unknown exercise piece 'attention'.*paged_attention"):
+        exercises.get("ngram")
+
+
+def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIBATCH_STUDENT", "ngram")
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="ex5_ngram.py"):
+        exercises.get("ngram")
+
+
+def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
+    import minibatch.attention as attention
+    import minibatch.engine as engine
+    import minibatch.kv_cache as kv_cache
+    import minibatch.proposers as proposers
+    import minibatch.sampler as sampler
+    import minibatch.speculative as speculative
+    sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (attention, "paged_attention_torch"),
+             (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"), (engine, "rejection_sample"),
+             (speculative, "ngram_propose"), (proposers, "ngram_propose")]
+    before = [getattr(m, a) for m, a in sites]
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
+    with exercises.patch_engine("all") as patch:
+        now = [getattr(m, a) for m, a in sites]
+        assert all(n is not b and n.__module__.startswith("_minibatch_student_") for n, b in zip(now, before))
+        assert exercises.reference("ngram") is before[-1]     # the reference stays reachable
+        assert len(patch.changes) >= len(sites)
+        # the engine's own entry points now reach the student's code: metadata -> slot mapping
+        md = attention.AttentionMetadata.build([[5, 2], [7]], [3, 0], [3, 2], 4)
+        assert md.slot_mapping.tolist() == [23, 8, 9, 28, 29]
+    assert [getattr(m, a) for m, a in sites] == before
+
+
+def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path):
+    """A tiny random GPT, n-gram speculation, one greedy and one top-k/top-p request: same text, every piece called."""
+    import torch
+    from minibatch import LLM, SamplingParams
+    from minibatch.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=32, n_ctx=64)).eval()
+    prompts = ["abcabcabcabcab", "xyzxyzxy"]
+    params = [SamplingParams(temperature=0, max_tokens=10),
+              SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3, max_tokens=10)]
+
+    def generate():
+        llm = LLM(model, block_size=4, attention_backend="torch",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    want = generate()
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
+    with exercises.patch_engine("all"):
+        got = generate()
+    assert got == want
+    for name in exercises.PIECES:
+        assert exercises.student(name).__globals__["CALLS"], f"the engine never called the student's {name}"
