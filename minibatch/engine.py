@@ -73,7 +73,13 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {num_blocks}")
         self.model, self.config = model, c
         self.allocator = BlockAllocator(num_blocks, c.block_size, c.enable_prefix_caching)
-        self.kv_cache = KVCache(mc.n_layer, num_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
+        # Static batching runs a rectangle: a finished member still computes a padding token every step
+        # (as in HF generate or FasterTransformer). Those tokens write their K/V into scratch blocks
+        # past the allocator's pool (ids num_blocks, ...), which no sequence ever owns: one slot each.
+        self.scratch_block = num_blocks
+        num_scratch = math.ceil(c.max_num_seqs / c.block_size) if c.scheduling == "static" else 0
+        self.kv_cache = KVCache(mc.n_layer, num_blocks + num_scratch, c.block_size,
+                                mc.num_kv_heads, mc.head_dim,
                                 dtype=model.dtype, device=model.device)
         self.scheduler = Scheduler(self.allocator, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.policy, c.order, c.scheduling)
@@ -110,6 +116,13 @@ class LLMEngine:
         if need > self.allocator.num_blocks:
             raise ValueError(f"request {request_id!r} needs {need} blocks even alone, but the cache has only "
                              f"{self.allocator.num_blocks}: it could never finish")
+        if self.config.scheduling == "static":
+            probe = Sequence("probe", request_id, 0, prompt_ids, params, fork_pending=params.n - 1)
+            need = self.scheduler.static_reservation(probe)
+            if need > self.allocator.num_blocks:
+                raise ValueError(f"request {request_id!r}: static batching reserves {need} blocks for its "
+                                 f"n={params.n} sequences at full length, but the cache has only "
+                                 f"{self.allocator.num_blocks}: it could never run")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         now = time.perf_counter()
@@ -153,14 +166,17 @@ class LLMEngine:
             return []
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)
-        logits, rows = self._forward(out.scheduled)
+        logits, rows = self._forward(out.scheduled, out.num_padding_slots)
         changed = self._update(out.scheduled, logits, rows, t_start)
         self._emit_trace(out, t_start)
         self.step_count += 1
         return [self._output(self.requests[rid]) for rid in changed]
 
-    def _forward(self, scheduled):
-        """Build the flat batch (input_ids[T], positions[T], metadata) and run the model once."""
+    def _forward(self, scheduled, num_padding: int = 0):
+        """Build the flat batch (input_ids[T], positions[T], metadata) and run the model once.
+
+        ``num_padding`` (static batching): that many padding rows of one dummy token each, computed
+        and thrown away, so the baseline pays for its idle slots as a rectangular batch does."""
         ids, pos, rows, logit_idx = [], [], [], []
         for s in scheduled:
             seq, start = s.seq, s.num_computed_before
@@ -172,9 +188,16 @@ class LLMEngine:
             rows.append(list(range(len(logit_idx), len(logit_idx) + n_rows)))
             logit_idx += range(len(ids) - n_rows, len(ids))
         dev = self.model.device
-        meta = AttentionMetadata.build([self.allocator.block_table(s.seq.seq_id) for s in scheduled],
-                                       [s.num_computed_before for s in scheduled],
-                                       [s.num_tokens for s in scheduled], self.config.block_size, dev)
+        tables = [self.allocator.block_table(s.seq.seq_id) for s in scheduled]
+        computed, new = [s.num_computed_before for s in scheduled], [s.num_tokens for s in scheduled]
+        bs = self.config.block_size
+        for i in range(num_padding):          # padding row i: token 0 at scratch slot i, attending to the
+            ids.append(0)                     # padding rows before it in its block (written this step)
+            pos.append(i % bs)
+            tables.append([self.scratch_block + i // bs])
+            computed.append(i % bs)
+            new.append(1)
+        meta = AttentionMetadata.build(tables, computed, new, bs, dev)
         attn = PagedAttention(self.kv_cache, meta, self.config.attention_backend)
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn,
                             logits_indices=torch.tensor(logit_idx, dtype=torch.long, device=dev))

@@ -123,7 +123,7 @@ def _from_traces(traces: list) -> dict:
     used = [(t.num_blocks - t.num_free_blocks) / t.num_blocks for t in traces]
     last = traces[-1]
     s = {"num_steps": len(traces),
-         # useful work: every scheduled sequence computes; padding slots (static) hold a slot and compute nothing
+         # useful work: every scheduled sequence computes; padding slots (static) hold a slot and compute a thrown-away token
          "mean_occupancy": _mean(len(t.scheduled) / t.max_num_seqs for t in traces),
          "mean_padding_share": _mean(t.num_padding_slots / t.max_num_seqs for t in traces),
          "mean_tokens_per_step": _mean(t.num_batched_tokens for t in traces),

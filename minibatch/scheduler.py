@@ -24,7 +24,8 @@ it will prefill its prompt and its output so far again when readmitted.
 ``scheduling="static"`` is the baseline: it forms a batch of up to
 ``max_num_seqs`` requests in arrival order, reserving blocks for their full
 length (so it never preempts), runs it until every member is done, and admits
-nobody meanwhile; finished members keep their slot doing nothing.
+nobody meanwhile; a finished member keeps its slot and computes a padding
+token that is thrown away (the engine does that: a rectangular batch cannot shrink).
 """
 from __future__ import annotations
 
@@ -178,8 +179,7 @@ class Scheduler:
                 if len(self.static_batch) >= self.max_num_seqs:
                     break
                 n = 1 + seq.fork_pending
-                need = self.allocator.blocks_needed(len(seq.prompt_ids)) + n * (
-                    self.allocator.blocks_needed(seq.params.max_tokens) + 1)
+                need = self.static_reservation(seq)
                 if reserved + need > self.allocator.num_free_blocks or \
                         len(self.static_batch) + n > self.max_num_seqs:
                     break
@@ -188,6 +188,13 @@ class Scheduler:
                 self.static_batch.append(seq)
         out.num_padding_slots = sum(s.is_finished for s in self.static_batch)
         self._schedule_running(out, budget, skip=set(), preempt=False)
+
+    def static_reservation(self, seq: Sequence) -> int:
+        """Blocks a static batch sets aside for ``seq`` at its full length: its own prompt + max_tokens,
+        and for each of its n - 1 forks everything but the full prompt blocks they share."""
+        a = self.allocator
+        whole = a.blocks_needed(len(seq.prompt_ids) + seq.params.max_tokens)
+        return whole + seq.fork_pending * (whole - len(seq.prompt_ids) // a.block_size)
 
     def on_fork(self, child: Sequence) -> None:
         """A parallel-sampling child joins the running set (and the static batch)."""
