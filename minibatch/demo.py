@@ -98,7 +98,8 @@ def scenario_speculative(model, small: bool) -> dict:
     n = 2 if small else 4
     arrivals = [(0, f"s{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=12 if small else 32))
                 for i in range(n)]
-    rec = _record(model, arrivals, {"scenario": "speculative"}, draft=draft, block_size=8, max_num_seqs=4,
+    rec = _record(model, arrivals, {"scenario": "speculative"}, draft=draft, block_size=8, num_gpu_blocks=40,
+                  max_num_seqs=4,
                   speculative_config={"method": "draft", "num_speculative_tokens": 3})
     return {"speculative": (rec, None)}
 
