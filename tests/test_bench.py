@@ -1,0 +1,25 @@
+"""The benchmark scripts run end to end on tiny sizes (their numbers are not checked: speed is
+measured in benchmarks, never asserted in unit tests), and what they print is well formed."""
+import re
+
+from minibatch import bench
+
+
+def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
+    bench.main(["batching", "--num-requests", "6", "--max-num-seqs", "3"])
+    out = capsys.readouterr().out
+    assert "static" in out and "continuous" in out
+    assert re.search(r"continuous / static throughput: \d+\.\d\dx", out)
+    assert "greedy outputs identical: True" in out
+
+
+def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
+    bench.main(["speculative", "--ks", "1,2", "--batch-sizes", "1", "--max-tokens", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("low", "high"))]
+    # per entropy: the plain baseline, then draft and ngram for k = 1, 2
+    assert [(r[2], r[3]) for r in rows] == [("none", "0"), ("draft", "1"), ("draft", "2"),
+                                            ("ngram", "1"), ("ngram", "2")] * 2
+    for r in rows[1:5] + rows[6:]:
+        alpha, tok_fwd, formula = map(float, r[6:9])
+        assert 0.0 <= alpha <= 1.0 and 1.0 <= tok_fwd <= int(r[3]) + 1 and 1.0 <= formula <= int(r[3]) + 1
