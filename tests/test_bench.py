@@ -17,9 +17,11 @@ def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
     bench.main(["speculative", "--ks", "1,2", "--batch-sizes", "1", "--max-tokens", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("low", "high"))]
-    # per entropy: the plain baseline, then draft and ngram for k = 1, 2
-    assert [(r[2], r[3]) for r in rows] == [("none", "0"), ("draft", "1"), ("draft", "2"),
-                                            ("ngram", "1"), ("ngram", "2")] * 2
-    for r in rows[1:5] + rows[6:]:
-        alpha, tok_fwd, formula = map(float, r[6:9])
-        assert 0.0 <= alpha <= 1.0 and 1.0 <= tok_fwd <= int(r[3]) + 1 and 1.0 <= formula <= int(r[3]) + 1
+    # per entropy: draft and ngram for k = 1, 2, each timed against plain decoding
+    assert [(r[0], r[2], r[3]) for r in rows] == [(e, m, k) for e in ("low", "high")
+                                                  for m in ("draft", "ngram") for k in ("1", "2")]
+    for r in rows:
+        k = int(r[3])
+        tps, base, speedup, alpha, tok_fwd, formula, predicted = map(float, r[4:11])
+        assert abs(speedup - tps / base) < 0.01 and 0.0 <= alpha <= 1.0
+        assert 1.0 <= tok_fwd <= k + 1 and 1.0 <= formula <= k + 1 and 0.0 < predicted <= formula
