@@ -140,6 +140,7 @@ class LLMEngine:
         if req is None or req.finished:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         for seq in req.seqs:
+            seq.fork_pending = 0                  # n > 1 aborted before its prompt was done: no forks will come
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self._finish(seq)

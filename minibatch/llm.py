@@ -51,13 +51,20 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         eng = self.llm_engine
         ids = []
-        for p, sp, prio in zip(prompts, sampling_params, priority):
-            rid = f"req-{self._counter}"
-            self._counter += 1
-            eng.add_request(rid, p, sp, priority=prio)
-            ids.append(rid)
+        try:
+            for p, sp, prio in zip(prompts, sampling_params, priority):
+                rid = f"req-{self._counter}"
+                self._counter += 1
+                eng.add_request(rid, p, sp, priority=prio)
+                ids.append(rid)
+        except Exception:                     # one bad prompt: none of this call's prompts stays queued
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(prompts) >= 8
         with tqdm(total=len(prompts), desc="generate", disable=not show) as bar:

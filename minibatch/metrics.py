@@ -18,7 +18,7 @@ from the step traces, how well the batch and the KV cache were used:
 * KV usage: the share of blocks in use, (num_blocks - num_free_blocks) / num_blocks;
 * prefix-cache hit rate: full blocks reused / full blocks looked up;
 * speculative decoding: proposed, accepted, acceptance rate alpha, and tokens
-  per verify step (compare ``speculative.expected_tokens_per_step``).
+  per verify step beside what ``speculative.expected_tokens_per_step`` predicts at that alpha.
 """
 from __future__ import annotations
 
@@ -138,7 +138,8 @@ def _from_traces(traces: list) -> dict:
                 spec.add(seq.proposed, seq.accepted, seq.accepted + 1)
     if spec.proposed:
         s.update(spec_proposed=spec.proposed, spec_accepted=spec.accepted, acceptance_rate=spec.acceptance_rate,
-                 tokens_per_verify_step=spec.mean_tokens_per_step)
+                 tokens_per_verify_step=spec.mean_tokens_per_step,
+                 expected_tokens_per_verify_step=spec.expected_tokens_per_step)   # Leviathan's formula at this alpha
     return s
 
 
@@ -149,11 +150,12 @@ LABELS = {"num_requests": "reqs", "output_tokens_per_s": "out tok/s", "requests_
           "e2e_p50": "e2e p50", "e2e_p99": "e2e p99", "mean_occupancy": "occupancy",
           "mean_tokens_per_step": "tok/step", "kv_usage_mean": "KV mean", "kv_usage_peak": "KV peak",
           "prefix_cache_hit_rate": "hit rate", "preemptions": "preempt", "acceptance_rate": "alpha",
-          "tokens_per_verify_step": "tok/verify", "num_steps": "steps", "wall_time": "wall s"}
+          "tokens_per_verify_step": "tok/verify",
+          "expected_tokens_per_verify_step": "formula", "num_steps": "steps", "wall_time": "wall s"}
 DEFAULT_COLUMNS = ["num_requests", "wall_time", "output_tokens_per_s", "requests_per_s", "ttft_p50", "ttft_p99",
                    "tpot_p50", "e2e_p50", "e2e_p99", "num_steps", "mean_occupancy", "mean_tokens_per_step",
                    "kv_usage_mean", "kv_usage_peak", "prefix_cache_hit_rate", "preemptions", "acceptance_rate",
-                   "tokens_per_verify_step"]
+                   "tokens_per_verify_step", "expected_tokens_per_verify_step"]
 
 
 def add_ratio_row(rows: dict, a: str, b: str) -> dict:

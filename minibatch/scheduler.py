@@ -108,6 +108,17 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
+    def _unadmit(self, seq: Sequence, out: SchedulerOutput, budget: list) -> None:
+        """Undo this step's admission of ``seq``: its chunk, its budget and its blocks go back, and it
+        waits again as if never admitted (nothing was computed, so nothing counts as preempted)."""
+        k = next(j for j, s in enumerate(out.scheduled) if s.seq is seq)
+        budget[0] += out.scheduled.pop(k).num_tokens
+        out.admitted.remove(seq)
+        self.allocator.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = seq.num_cached_prefix = 0
+        self.add(seq)
+
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -140,8 +151,15 @@ class Scheduler:
                 except NoFreeBlocksError:
                     if not preempt:
                         raise
-                    victim = queue.pop()                      # least important not yet scheduled
-                    self._preempt(victim, out)
+                    # the least important among those not yet scheduled and (prefill-first) those admitted
+                    # this step: a newcomer must not push out a more important sequence already running
+                    fresh = [s.seq for s in out.scheduled if s.seq in out.admitted]
+                    victim = max(queue[i:] + fresh, key=lambda s: s.sort_key(self.policy))
+                    if victim in fresh:
+                        self._unadmit(victim, out, budget)
+                    else:
+                        queue.remove(victim)
+                        self._preempt(victim, out)
                     continue                                  # retry seq (unless it was the victim)
                 n = 1 + len(spec)
             else:                                             # prefill chunk: blocks were allocated at admission

@@ -17,7 +17,7 @@ formulas, and ``SpecStats``, the counters a run reports.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -196,6 +196,7 @@ class SpecStats:
     accepted: int = 0        # ... of which the target kept
     num_steps: int = 0       # target forwards that verified drafts
     emitted: int = 0         # tokens those steps appended (accepted + one replacement or bonus each)
+    steps_by_k: dict = field(default_factory=dict)   # {k: verify steps that checked k drafts}; k shrinks near the end
 
     def add(self, proposed: int, accepted: int, emitted: int) -> "SpecStats":
         """Count one verify step."""
@@ -207,6 +208,7 @@ class SpecStats:
         self.accepted += accepted
         self.num_steps += 1
         self.emitted += emitted
+        self.steps_by_k[proposed] = self.steps_by_k.get(proposed, 0) + 1
         return self
 
     def merge(self, other: "SpecStats") -> "SpecStats":
@@ -217,6 +219,8 @@ class SpecStats:
         self.accepted += other.accepted
         self.num_steps += other.num_steps
         self.emitted += other.emitted
+        for k, n in other.steps_by_k.items():
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
         return self
 
     @property
@@ -229,6 +233,18 @@ class SpecStats:
         """Tokens per verify step: compare with expected_tokens_per_step(alpha, k). 0.0 before any step."""
         return self.emitted / self.num_steps if self.num_steps else 0.0
 
+    @property
+    def expected_tokens_per_step(self) -> float:
+        """The theory beside the measurement: expected_tokens_per_step(alpha, k) at the measured alpha, averaged
+        over the steps' own k (drafts are cut short near max_tokens). It assumes acceptances independent of
+        each other; measured above it means they come in runs (a predictable stretch accepts all its drafts)."""
+        if not self.num_steps:
+            return 0.0
+        alpha = self.acceptance_rate
+        return sum(n * expected_tokens_per_step(alpha, k) for k, n in self.steps_by_k.items()) / self.num_steps
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
-                "mean_tokens_per_step": self.mean_tokens_per_step}
+        counters = {name: getattr(self, name) for name in ("proposed", "accepted", "num_steps", "emitted")}
+        return {**counters, "acceptance_rate": self.acceptance_rate,
+                "mean_tokens_per_step": self.mean_tokens_per_step,
+                "expected_tokens_per_step": self.expected_tokens_per_step}

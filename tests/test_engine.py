@@ -49,8 +49,9 @@ CONFIGS = {
     "chunked-prefill": dict(max_num_batched_tokens=16),
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "dense-backend": dict(attention_backend="dense"),
-    "priority": dict(policy="priority", max_num_seqs=3, block_size=8, num_gpu_blocks=30),
+    "priority": dict(policy="priority", max_num_seqs=3, block_size=8, num_gpu_blocks=30, _prio=[3, 0, 2, 1, 0, 5, 1, 2, 4]),
     "prefill-first": dict(order="prefill-first", max_num_batched_tokens=48),
+    "prefill-first-tiny-cache": dict(order="prefill-first", block_size=8, num_gpu_blocks=24, max_num_seqs=8),
     "two-seqs": dict(max_num_seqs=2),
 }
 
@@ -63,7 +64,7 @@ def test_greedy_equals_reference(name, target_model, greedy_refs):
         assert out.outputs[0].finish_reason == "length" and out.finished
     budget, cap = llm.llm_engine.config.max_num_batched_tokens, llm.llm_engine.config.max_num_seqs
     assert all(t.num_batched_tokens <= budget and len(t.running) <= cap for t in traces)
-    if name == "tiny-cache-preempts":
+    if name in ("tiny-cache-preempts", "prefill-first-tiny-cache"):
         assert sum(len(t.preempted) for t in traces) >= 2, "this cache is meant to force preemption"
     if name == "chunked-prefill":
         assert any(s.phase == "prefill" and s.num_computed_before > 0 for t in traces for s in t.scheduled)
@@ -92,7 +93,8 @@ def test_seeded_sampling_equals_reference(target_model):
     params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, max_tokens=m, seed=100 + i)
               for i, m in enumerate(MAX_TOKENS)]
     refs = [generate(target_model, p, sp)[0] for p, sp in zip(PROMPTS, params)]
-    for cfg in (dict(), dict(block_size=8, num_gpu_blocks=24, max_num_seqs=8), dict(max_num_batched_tokens=16)):
+    for cfg in (dict(), dict(block_size=8, num_gpu_blocks=24, max_num_seqs=8), dict(max_num_batched_tokens=16),
+                dict(scheduling="static", max_num_seqs=4)):
         outs, _, _ = run(target_model, params=params, **cfg)
         assert [o.outputs[0].token_ids for o in outs] == refs, cfg
 
@@ -173,6 +175,28 @@ def test_abort_frees_blocks(target_model):
     assert "r1" not in outs and eng.allocator.num_free_blocks == eng.allocator.num_blocks
     with pytest.raises(KeyError):
         eng.abort_request("r1")
+
+
+def test_abort_of_parallel_sampling_before_its_fork(target_model):
+    """n = 3, aborted while its prompt is still being prefilled: the request ends (no forks ever come)."""
+    llm = LLM(target_model, block_size=8, max_num_batched_tokens=16)
+    eng = llm.llm_engine
+    eng.add_request("n3", PROMPTS[1], SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=5))
+    eng.step()                                             # a 16-token chunk: the prompt is not done yet
+    eng.abort_request("n3")
+    assert eng.requests["n3"].finished and not eng.has_unfinished_requests()
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks
+    with pytest.raises(KeyError):
+        eng.abort_request("n3")
+
+
+def test_generate_with_one_bad_prompt_leaves_nothing_queued(target_model, greedy_refs):
+    llm = LLM(target_model)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([PROMPTS[0], "x" * 600], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[0]), use_tqdm=False)
+    assert len(out) == 1 and out[0].outputs[0].token_ids == greedy_refs[0]
 
 
 def test_triton_backend_equals_reference(target_model, greedy_refs):

@@ -113,10 +113,26 @@ def test_spec_stats_counts_and_merges():
     assert a.acceptance_rate == 3 / 8 and a.mean_tokens_per_step == 2.5
     b = SpecStats().add(2, 2, 3)
     total = SpecStats().merge(a).merge(b)
-    assert total.to_dict() == {"proposed": 10, "accepted": 5, "num_steps": 3, "emitted": 8,
-                               "acceptance_rate": 0.5, "mean_tokens_per_step": 8 / 3}
+    # the formula at alpha = 1/2, averaged over the steps' own k: two steps of k = 4, one of k = 2
+    formula = (2 * (1 + 1 / 2 + 1 / 4 + 1 / 8 + 1 / 16) + (1 + 1 / 2 + 1 / 4)) / 3
+    assert total.to_dict() == pytest.approx({"proposed": 10, "accepted": 5, "num_steps": 3, "emitted": 8,
+                                             "acceptance_rate": 0.5, "mean_tokens_per_step": 8 / 3,
+                                             "expected_tokens_per_step": formula})
+    assert total.steps_by_k == {4: 2, 2: 1}
     assert (a.proposed, b.proposed) == (8, 2), "merge leaves its argument alone"
     assert SpecStats().acceptance_rate == 0.0 and SpecStats().mean_tokens_per_step == 0.0
+    assert SpecStats().expected_tokens_per_step == 0.0
+
+
+def test_spec_stats_formula_matches_a_simulation_of_independent_acceptances():
+    """Steps whose drafts are accepted i.i.d. with probability alpha: measured tokens/step approach the formula."""
+    rng, alpha, k = np.random.default_rng(0), 0.7, 5
+    s = SpecStats()
+    for _ in range(20000):
+        accepted = int(np.argmin(np.append(rng.random(k) < alpha, False)))   # leading run of acceptances
+        s.add(k, accepted, accepted + 1)
+    assert abs(s.acceptance_rate - 0.7) > 0.01     # alpha measured per draft is not the per-step acceptance chance
+    assert s.mean_tokens_per_step == pytest.approx(expected_tokens_per_step(alpha, k), rel=0.02)
 
 
 def test_spec_stats_rejects_impossible_counts():

@@ -79,6 +79,28 @@ def test_preemption_picks_the_latest_arrival_and_resumes_it():
     assert not r.sched.has_unfinished()
 
 
+def test_prefill_first_never_lets_a_newcomer_push_out_a_running_sequence():
+    """Prefill-first admits B before A decodes; when A then needs a block, the least important of the two
+    (B, the later arrival) gives way: its admission is undone and it waits, and A keeps running."""
+    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first")
+    r.sched.add(make(7, 4, 0, "A"))
+    assert r.step() == ([("A", 7, "prefill")], [])
+    assert r.step() == ([("A", 1, "decode")], [])
+    r.sched.add(make(7, 4, 1, "B"))
+    assert r.step() == ([("A", 1, "decode")], [])          # B took A's next block at admission, then gave it back
+    assert [s.seq_id for s in r.sched.waiting] == ["B"] and r.sched.waiting[0].num_preemptions == 0
+    assert r.step() == ([("A", 1, "decode")], [])           # A finishes
+    assert r.step() == ([("B", 7, "prefill")], [])
+    # with priorities, the newcomer that matters more does push the running one out
+    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first",
+                policy="priority")
+    r.sched.add(make(7, 4, 0, "A", priority=1))
+    r.step()
+    r.step()
+    r.sched.add(make(7, 4, 1, "B", priority=0))
+    assert r.step() == ([("B", 7, "prefill")], ["A"])
+
+
 def test_priority_preempts_the_least_important():
     r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, policy="priority")
     r.sched.add(make(7, 4, 0, "A", priority=1))
@@ -109,12 +131,14 @@ def tiny_model():
 @given(reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(0, 2)), min_size=1, max_size=8),
        block_size=st.sampled_from([4, 8]), num_blocks=st.integers(8, 24), max_num_seqs=st.integers(1, 4),
        budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["fcfs", "priority"]),
-       scheduling=st.sampled_from(["continuous", "static"]), prefix=st.booleans())
+       scheduling=st.sampled_from(["continuous", "static"]), prefix=st.booleans(),
+       order=st.sampled_from(["decode-first", "prefill-first"]))
 def test_scheduler_invariants(tiny_model, reqs, block_size, num_blocks, max_num_seqs, budget, policy, scheduling,
-                              prefix):
+                              prefix, order):
     budget = max(budget, block_size)
     llm = LLM(tiny_model, block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=budget, policy=policy, scheduling=scheduling, enable_prefix_caching=prefix)
+              max_num_batched_tokens=budget, policy=policy, scheduling=scheduling, enable_prefix_caching=prefix,
+              order=order)
     eng = llm.llm_engine
     admitted, traces = [], []
 

@@ -185,6 +185,8 @@ def test_summarize_speculative_traces():
     assert (s["spec_proposed"], s["spec_accepted"]) == (8, 5)
     assert s["acceptance_rate"] == 5 / 8
     assert s["tokens_per_verify_step"] == pytest.approx((3 + 4 + 1) / 3)    # accepted + 1 per verify
+    a = 5 / 8                                                                 # the formula at that alpha, k = 3, 3, 2
+    assert s["expected_tokens_per_verify_step"] == pytest.approx((2 * (1 + a + a**2 + a**3) + (1 + a + a**2)) / 3)
 
 
 def test_summarize_bad_input():
