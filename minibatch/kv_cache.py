@@ -28,6 +28,8 @@ class KVCache:
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if block_size & (block_size - 1):                 # as the allocator and the kernels require
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -95,6 +97,8 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
     T = sum(counts), in batch order. Every position must fall inside the blocks
     its table holds (the allocator gave them out before this step).
     """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not len(block_tables) == len(starts) == len(counts):
         raise ValueError(f"block_tables, starts, counts have different lengths "
                          f"({len(block_tables)}, {len(starts)}, {len(counts)})")

@@ -41,6 +41,7 @@ def _decode_ready(seq) -> bool:
 
 class NgramProposer:
     def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
+        ngram_propose([], 0, n_max, n_min)                 # validates n_min, n_max now, not at the first step
         self.k, self.n_max, self.n_min = k, n_max, n_min
 
     def propose_for(self, running) -> None:
@@ -169,7 +170,7 @@ def make_proposer(spec_config, target, draft, engine_config):
     if method not in METHODS:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {list(METHODS)}")
     k = spec_config.get("num_speculative_tokens")
-    if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
     if method == "ngram":
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))

@@ -14,7 +14,7 @@ VOCAB_SIZE = 256
 def encode(text: str | bytes) -> list[int]:
     """Text (or raw bytes) -> list of byte values in [0, 256)."""
     if isinstance(text, str):
-        text = text.encode("utf-8")
+        text = text.encode("utf-8", errors="surrogatepass")   # any str, even a lone surrogate ("\ud800")
     elif not isinstance(text, (bytes, bytearray)):
         raise TypeError(f"encode() takes str or bytes, not {type(text).__name__}")
     return list(text)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .data import load_corpus
-from .model import GPT, get_config
+from .model import GPT, PRESETS, get_config
 from .weights import load_model, save_checkpoint
 
 
@@ -71,7 +71,7 @@ def evaluate(model: GPT, val: np.ndarray, teacher: GPT | None = None, windows: i
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)

@@ -149,6 +149,7 @@ def test_paged_attention_backend_stores_then_attends(backend, case, H, Hkv, bs):
 
 
 @needs_kernels
+@pytest.mark.interpreter
 @pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("case, bs", [("mixed", 8), ("decode", 16), ("chunked", 32)])
 def test_triton_backend_stores_then_attends(case, H, Hkv, bs):
@@ -246,6 +247,10 @@ def test_kv_cache_layout_and_views():
         c.key_cache(3)
     with pytest.raises(ValueError):
         KVCache(0, 5, 4, 2, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        KVCache(1, 5, 6, 2, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        slot_mapping([[0]], [0], [1], 0)
 
 
 def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
@@ -346,7 +351,8 @@ def serve_like_an_engine(model, seqs, prompt_lens, chunks, admit_at, forks, back
     return logits, alloc
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernels), "torch", "dense"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_kernels, pytest.mark.interpreter]),
+                                     "torch", "dense"])
 def test_model_logits_through_the_paged_cache_equal_the_dense_reference(backend):
     torch.manual_seed(0)
     model = GPT(get_config("target")).eval()

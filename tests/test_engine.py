@@ -199,6 +199,7 @@ def test_generate_with_one_bad_prompt_leaves_nothing_queued(target_model, greedy
     assert len(out) == 1 and out[0].outputs[0].token_ids == greedy_refs[0]
 
 
+@pytest.mark.interpreter
 def test_triton_backend_equals_reference(target_model, greedy_refs):
     """The Triton kernels (through the interpreter on a CPU) in the whole engine: chunked prefill,
     a small cache that preempts, prefix hits and decode, token for token equal to the oracle."""

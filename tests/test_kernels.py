@@ -267,6 +267,8 @@ BAD_ATTENTION = {   # name: (mutation of the argument list, exception, message f
     "negative_block_id": (lambda a: a[3].__setitem__((1, 0), -1), ValueError, "outside"),
     "scale_not_number": (lambda a: a.__setitem__(6, "0.25"), TypeError, "scale"),
     "scale_nan": (lambda a: a.__setitem__(6, float("nan")), TypeError, "scale"),
+    "cache_on_another_device": (lambda a: a.__setitem__(1, a[1].to("meta")), ValueError, "device"),
+    "block_tables_on_another_device": (lambda a: a.__setitem__(3, a[3].to("meta")), ValueError, "device"),
 }
 
 
@@ -314,6 +316,7 @@ BAD_STORE = {
     "heads_mismatch": (lambda a: [a.__setitem__(i, a[i][:, :1]) for i in (0, 1)], ValueError,
                        "num_kv_heads"),
     "cache_rank": (lambda a: a.__setitem__(2, a[2][0]), ValueError, "key_cache and value_cache"),
+    "key_on_another_device": (lambda a: a.__setitem__(0, a[0].to("meta")), ValueError, "device"),
 }
 
 

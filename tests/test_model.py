@@ -35,6 +35,12 @@ def test_tokenizer_round_trips_text(text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_encode_takes_any_str_even_a_lone_surrogate():
+    ids = tokenizer.encode("a\ud800b")                        # not valid UTF-8 text, but a Python str
+    assert ids[0] == ord("a") and ids[-1] == ord("b") and all(0 <= i < 256 for i in ids)
+    assert tokenizer.decode(ids).startswith("a") and tokenizer.decode(ids).endswith("b")
+
+
 def test_decode_never_raises_on_partial_multibyte():
     ids = tokenizer.encode("é€🙂")
     for cut in range(len(ids) + 1):

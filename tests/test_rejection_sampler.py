@@ -14,7 +14,7 @@ import torch
 from minibatch.speculative import rejection_sample
 
 V = 8
-N = 20_000                      # rows (independent trials) per statistical call; ~1 s each on a laptop CPU
+N = 100_000                     # rows (independent trials) per statistical call; ~4 s each on a laptop CPU
 CHI2_CRIT_0001 = {7: 24.322}    # chi-square 0.999 quantile for V - 1 = 7 degrees of freedom (from tables)
 
 
@@ -59,7 +59,7 @@ def assert_distributed_as(tokens, p, what):
     tokens, p = np.asarray(tokens), np.asarray(p)
     n = len(tokens)
     assert n >= 2000, f"{what}: too few samples ({n}) for the test to mean anything"
-    tv_small, tv_full = tv(empirical(tokens[:n // 20]), p), tv(empirical(tokens), p)
+    tv_small, tv_full = tv(empirical(tokens[:n // 100]), p), tv(empirical(tokens), p)   # 1e3 -> 1e5 rows
     # E[TV] <= 0.4 sqrt(V / n) for a correct sampler; a wrong residual or bonus is off by ~0.05-0.3.
     assert tv_full < np.sqrt(V / n), f"{what}: TV {tv_full:.4f} to p is too large for n = {n}"
     assert tv_full < tv_small, f"{what}: TV did not shrink with more samples ({tv_small:.4f} -> {tv_full:.4f})"
@@ -138,7 +138,7 @@ def test_one_hot_drafts_are_lossless():
 
 
 def test_p_equal_q_accepts_everything():
-    k, rows = 3, 3000
+    k, rows = 3, 20_000
     p = dirichlet(31, k + 1)
     out, n = run_many(p, p[:k], n=rows, seed=2)
     assert n.tolist() == [k] * rows
@@ -146,8 +146,7 @@ def test_p_equal_q_accepts_everything():
         torch.manual_seed(2)
         drafts = torch.multinomial(p[:k], rows, replacement=True).T
     assert torch.equal(out[:, :k], drafts)
-    bonus = out[:, k].numpy()
-    assert tv(empirical(bonus), p[k].numpy()) < np.sqrt(V / rows)
+    assert_distributed_as(out[:, k].numpy(), p[k].numpy(), "bonus token, p = q")
 
 
 def test_k0_rows_sample_p1_and_ignore_unused_positions():

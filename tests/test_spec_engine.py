@@ -11,6 +11,7 @@ from test_engine import MAX_TOKENS, PROMPTS
 SPEC_CASES = [
     ("draft", 1, {}), ("draft", 3, {}), ("draft", 5, dict(block_size=8, num_gpu_blocks=26, max_num_seqs=8)),
     ("ngram", 2, {}), ("ngram", 4, dict(max_num_batched_tokens=16)),
+    ("ngram", 5, dict(block_size=8, num_gpu_blocks=26, max_num_seqs=8, max_num_batched_tokens=32)),
     ("draft", 4, dict(max_num_batched_tokens=16, block_size=8, num_gpu_blocks=30)),
 ]
 
@@ -57,11 +58,12 @@ def test_draft_acceptance_is_high_on_code(target_model, draft_model):
     assert acc / prop > 0.5, f"acceptance {acc / prop:.2f}: the distilled draft should mostly agree"
 
 
-def test_seeded_speculative_sampling_is_reproducible(target_model, draft_model):
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_seeded_speculative_sampling_is_reproducible(target_model, draft_model, method):
     params = [SamplingParams(temperature=1.0, max_tokens=m, seed=10 + i) for i, m in enumerate(MAX_TOKENS)]
-    a, ta = run(target_model, draft_model, "draft", 3, params=params)
-    b, _ = run(target_model, draft_model, "draft", 3, params=params)
-    c, _ = run(target_model, draft_model, "draft", 3, params=params[2:3], prompts=PROMPTS[2:3])
+    a, ta = run(target_model, draft_model, method, 3, params=params)
+    b, _ = run(target_model, draft_model, method, 3, params=params)
+    c, _ = run(target_model, draft_model, method, 3, params=params[2:3], prompts=PROMPTS[2:3])
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert c[0].outputs[0].token_ids == a[2].outputs[0].token_ids, "independent of the rest of the batch"
     rejected = sum(s.proposed - s.accepted for t in ta for s in t.scheduled)
@@ -80,6 +82,8 @@ def test_k_is_shortened_near_max_tokens(target_model, draft_model):
     ({"method": "draft", "num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "unknown speculative method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown speculative_config"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "n_min"),
 ])
 def test_bad_speculative_config(target_model, cfg, match):
     with pytest.raises(ValueError, match=match):
