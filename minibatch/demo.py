@@ -96,10 +96,12 @@ def scenario_speculative(model, small: bool) -> dict:
     from .weights import load_model
     draft = load_model("draft", device=model.device, dtype=model.dtype)
     n = 2 if small else 4
-    arrivals = [(0, f"s{i}", PROMPTS[i], SamplingParams(temperature=0, max_tokens=12 if small else 32))
+    # sampled at temperature 1, seeded: the draft is right often but not always, so the slivers show both
+    # accepted and rejected drafts (greedy on code accepts ~95 %); a 64-token budget keeps the bars readable
+    arrivals = [(0, f"s{i}", PROMPTS[i], SamplingParams(temperature=1.0, seed=i, max_tokens=12 if small else 32))
                 for i in range(n)]
     rec = _record(model, arrivals, {"scenario": "speculative"}, draft=draft, block_size=8, num_gpu_blocks=40,
-                  max_num_seqs=4,
+                  max_num_seqs=4, max_num_batched_tokens=64,
                   speculative_config={"method": "draft", "num_speculative_tokens": 3})
     return {"speculative": (rec, None)}
 
@@ -155,6 +157,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             raise ValueError(f"cannot save {path.name!r}: choose a file ending in one of {', '.join(SUFFIXES)}")
         if not path.parent.is_dir():
             raise FileNotFoundError(f"cannot save {path}: the directory {path.parent} does not exist")
+        if path.suffix.lower() == ".mp4":
+            from .viz_anim import check_writer
+            check_writer(".mp4")
     if scenario.endswith(".json"):                                          # replay: no model at all
         if not pathlib.Path(scenario).is_file():
             raise FileNotFoundError(f"no saved trace at {scenario}")

@@ -36,6 +36,13 @@ class WriterUnavailableError(RuntimeError):
     """The file format needs a tool (ffmpeg) that this machine does not have."""
 
 
+def check_writer(suffix: str) -> None:
+    """Raise WriterUnavailableError now if this machine cannot write ``suffix`` (.mp4 needs ffmpeg)."""
+    if suffix.lower() == ".mp4" and not animation.writers.is_available("ffmpeg"):
+        raise WriterUnavailableError("saving .mp4 needs ffmpeg, which matplotlib cannot find on this machine; "
+                                     "install ffmpeg, or save as .gif or .html instead")
+
+
 def frame_steps(traces, steps=None, max_frames: int = 60) -> list:
     """The step numbers to draw: ``steps`` (checked) or all, thinned to ``max_frames``."""
     traces = as_traces(traces)
@@ -131,9 +138,7 @@ def save(traces, path, steps=None, max_frames: int = 40, interval: int = 700, dp
         raise ValueError(f"cannot save {path.name!r}: choose a file ending in one of {', '.join(SUFFIXES)}")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot save {path}: the directory {path.parent} does not exist")
-    if suffix == ".mp4" and not animation.writers.is_available("ffmpeg"):
-        raise WriterUnavailableError("saving .mp4 needs ffmpeg, which matplotlib cannot find on this machine; "
-                                     "install ffmpeg, or save as .gif or .html instead")
+    check_writer(suffix)
     if suffix == ".png":
         if steps is None:
             fig = new_figure(dpi=dpi)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .viz_blocks import draw_block_tables, draw_blocks, pool_legend_handles
 from .viz_common import DASHBOARD_SIZE, FONT_SIZE, SMALL_FONT, as_traces, find_step, seq_order
-from .viz_timeline import draw_timeline, legend_handles, speculation, timeline_cells
+from .viz_timeline import draw_timeline, legend_handles, preempted_cells, speculation, timeline_cells
 from .viz_usage import draw_kv_usage, draw_throughput, usage_legend_handles
 
 
@@ -66,7 +66,7 @@ def draw_step(traces, step: int, fig=None) -> dict:
     tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
     fig.suptitle(step_title(t), fontsize=FONT_SIZE + 1, x=0.01, ha="left", fontweight="bold")
     handles = {}                                           # one legend for every view, by label
-    for h in (legend_handles(timeline_cells(traces), speculation(traces)) + usage_legend_handles()
+    for h in (legend_handles(timeline_cells(traces), speculation(traces), preempted_cells(traces)) + usage_legend_handles()
               + pool_legend_handles()):
         handles.setdefault(h.get_label(), h)
     fig.legend(handles=list(handles.values()), loc="lower center", ncols=6, fontsize=SMALL_FONT, frameon=False)

@@ -49,6 +49,7 @@ def timeline_cells(traces) -> dict:
             for sid in done:
                 batch_formed_after[sid] = True
         preempted, waiting, running = set(t.preempted), set(t.waiting), set(t.running)
+        admitted = set(t.admitted)             # admitted but given no tokens this step: "stalled", not a fork
         for sid in known:
             if sid in sched:                       # (may also be preempted: see preempted_cells)
                 phase = sched[sid]
@@ -56,8 +57,8 @@ def timeline_cells(traces) -> dict:
                 phase = "preempted"
             elif sid in waiting:
                 phase = "waiting"
-            elif sid in running:                   # born running: a fork sharing its parent's blocks
-                phase = "forked" if sid in new else "stalled"
+            elif sid in running:                   # born running, not admitted: a fork sharing its parent's
+                phase = "forked" if sid in new and sid not in admitted else "stalled"   # blocks
             elif sid in done:
                 static_slot = t.scheduling == "static" and not batch_formed_after.get(sid)
                 phase = "padding" if static_slot else "finished"
@@ -92,9 +93,11 @@ def _spec_slivers(ax, left, bottom, width, height, accepted, proposed):
             for i, c in enumerate(colors)]
 
 
-def legend_handles(cells: dict, spec: dict) -> list:
-    """Legend entries for the phases that occur (in PHASE_COLORS order), plus speculation."""
-    present = [p for p in PHASE_COLORS if p in set(cells.values())]
+def legend_handles(cells: dict, spec: dict, preempted=()) -> list:
+    """Legend entries for the phases that occur (in PHASE_COLORS order), plus speculation. ``preempted``
+    (preempted_cells): a preemption drawn only as a sliver (readmitted in the same step) still gets its entry."""
+    phases = set(cells.values()) | ({"preempted"} if set(preempted) & set(cells) else set())
+    present = [p for p in PHASE_COLORS if p in phases]
     handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="#CCCCCC" if p == "finished" else "none",
                      hatch="//" if p == "padding" else None, label=PHASE_LABELS[p]) for p in present]
     if spec:
@@ -169,8 +172,9 @@ def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order
         ax.spines[side].set_visible(False)
     ax.set_xlabel("iteration (engine step)", fontsize=FONT_SIZE)
     ax.set_title(f"batch membership ({traces[0].scheduling} batching)", fontsize=FONT_SIZE, loc="left")
+    handles = legend_handles(all_cells, spec, preempted)
     if legend:
-        ax.legend(handles=legend_handles(all_cells, spec), loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                  fontsize=SMALL_FONT, frameon=False, borderaxespad=0.3)
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=SMALL_FONT,
+                  frameon=False, borderaxespad=0.3)
     return {"ax": ax, "rows": rows, "cells": cells, "patches": patches, "spec": spec,
-            "highlight": highlight, "highlight_artist": frame, "legend": legend_handles(all_cells, spec)}
+            "highlight": highlight, "highlight_artist": frame, "legend": handles}

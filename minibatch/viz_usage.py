@@ -16,12 +16,9 @@ shared axes, so "static takes longer and fills less" is read off directly.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
 from .viz_common import (CACHED_FREE_COLOR, EDGE_COLOR, FONT_SIZE, PHASE_COLORS, SMALL_FONT, as_traces, new_axes,
                          seq_order)
-from .viz_timeline import draw_timeline
 
 USED_COLOR = "#4477AA"      # Tol bright blue: blocks a live sequence points at
 
@@ -64,6 +61,8 @@ def summarize(traces) -> dict:
 
 
 def usage_legend_handles() -> list:
+    from matplotlib.lines import Line2D                 # matplotlib only where drawing: the numbers above
+    from matplotlib.patches import Patch                #   serve the text view without it
     return [Patch(facecolor=USED_COLOR, label="used block"),
             Patch(facecolor=CACHED_FREE_COLOR, hatch="//", edgecolor=EDGE_COLOR, label="cached-free block"),
             Patch(facecolor="white", edgecolor=EDGE_COLOR, label="free block"),
@@ -125,6 +124,7 @@ def draw_comparison(traces_a, traces_b, labels=("static", "continuous"), fig=Non
     """Two runs of one workload in two columns: timeline, KV occupancy, tokens per step.
     Both columns share the x range (the longer run's) and the sequence colours.
     Returns {"fig", labels[0]: {...}, labels[1]: {...}, "summary": {label: summarize(...)}}."""
+    from .viz_timeline import draw_timeline
     runs = [as_traces(traces_a), as_traces(traces_b)]
     if len(labels) != 2:
         raise ValueError(f"labels must name the two runs, got {labels!r}")

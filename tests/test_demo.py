@@ -73,8 +73,30 @@ def test_text_only_prints_every_step_and_writes_nothing(tmp_path, capsys, monkey
     (["warp-speed"], "unknown demo scenario 'warp-speed'"),
     (["continuous", "--small", "--out", "x.webm"], "cannot save 'x.webm'"),
     (["missing.json"], "missing.json"),
+    pytest.param(["continuous", "--small", "--out", "x.mp4"], "needs ffmpeg",
+                 marks=pytest.mark.skipif(__import__("shutil").which("ffmpeg") is not None,
+                                          reason="ffmpeg is installed: .mp4 works here")),
 ])
 def test_bad_demo_input_is_a_clear_error(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, _, err = _run(capsys, *argv)
     assert code == 2 and needle in err
+
+
+def test_text_view_needs_no_matplotlib(tmp_path):
+    """--text is the fallback for machines without graphics: it must run with matplotlib absent."""
+    import subprocess
+    import sys
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'matplotlib':\n"
+        "            raise ImportError('matplotlib is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from minibatch.__main__ import main\n"
+        "sys.exit(main(['demo', 'static', '--small', '--text']))\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step 0 · static" in res.stdout and "static: " in res.stdout

@@ -203,6 +203,11 @@ def test_timeline_cells_are_what_the_trace_lists_say(traces):
             finished_at.setdefault(sid, t.step)
         padding = sum(cells.get((sid, t.step)) == "padding" for sid in res["rows"])
         assert padding == t.num_padding_slots, f"step {t.step}"    # the static batch's idle slots
+        for sid in set(t.admitted) - scheduled:                   # admitted, no tokens yet: not a fork
+            assert cells[(sid, t.step)] == "stalled"
+    assert not any(cells[(sid, t.step)] == "forked" for t in traces for sid in t.admitted)
+    labels = [h.get_label() for h in res["legend"]]
+    assert ("preempted" in labels) == any(t.preempted for t in traces), "a preemption always gets its legend entry"
     assert finished_at, "every fixture finishes something"
 
 
@@ -471,3 +476,32 @@ def test_text_view_needs_no_matplotlib():
             "assert not any(m.startswith('matplotlib') for m in sys.modules), 'matplotlib was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_admitted_but_not_yet_scheduled_is_stalled_not_forked():
+    """A static batch admits three requests whose prompts overflow the token budget: two get no tokens in
+    the step they join. They are batch members waiting for compute ("stalled"), not n > 1 forks."""
+    import torch
+    from minibatch import LLM, SamplingParams
+    from minibatch.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=16, n_ctx=64)).eval()
+    llm = LLM(model, block_size=8, max_num_batched_tokens=8, scheduling="static", max_num_seqs=3)
+    rec = TraceRecorder()
+    llm.llm_engine.add_hook(rec)
+    llm.generate([[1] * 10, [2] * 10, [3] * 10], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    first = rec.traces[0]
+    idle = set(first.admitted) - {s.seq_id for s in first.scheduled}
+    assert len(idle) == 2
+    cells = viz.timeline_cells(rec.traces)
+    assert {cells[(sid, 0)] for sid in idle} == {"stalled"}
+    labels = [h.get_label() for h in viz.draw_timeline(rec.traces)["legend"]]
+    assert viz.PHASE_LABELS["forked"] not in labels
+
+
+def test_a_preemption_drawn_only_as_a_sliver_is_in_the_legend():
+    from minibatch.viz_timeline import legend_handles
+    cells = {("A", 3): "resumed", ("A", 4): "decode"}            # preempted and readmitted at step 3
+    labels = [h.get_label() for h in legend_handles(cells, {}, {("A", 3)})]
+    assert viz.PHASE_LABELS["preempted"] in labels and viz.PHASE_LABELS["resumed"] in labels
+    assert viz.PHASE_LABELS["preempted"] not in [h.get_label() for h in legend_handles(cells, {})]
