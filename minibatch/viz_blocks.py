@@ -12,7 +12,9 @@ make that visible:
   fork) is split into one sliver per owner and labelled with its **ref
   count** ("×2"); a free block that still holds a **prefix-cache** entry is
   grey and hatched (reusable without recompute until it is evicted); a
-  truly free block is white; a dot marks in-use blocks that are cached.
+  truly free block is white; a dot marks in-use blocks that are cached; a
+  dashed vermillion frame marks a block whose cache entry was **evicted** in
+  this step (least recently freed first: it was taken for new tokens).
 * ``draw_block_tables``: one row per live sequence, logical index on x, the
   physical id written in each cell: the indirection the kernel follows.
 """
@@ -41,6 +43,19 @@ def block_owners(trace) -> list:
     return owners
 
 
+EVICTED_COLOR = "#D55E00"      # Okabe-Ito vermillion, as "preempted": something was lost this step
+
+
+def evicted_blocks(traces, step: int) -> set:
+    """Blocks whose prefix-cache entry ended in ``step``: cached after the step before, not after this one.
+    An entry ends only when its block is taken for other tokens (eviction, vLLM §4.3), so the trace
+    shows it without a field of its own. The first step has no step before: nothing was cached yet."""
+    traces = as_traces(traces)
+    t = find_step(traces, step)
+    i = traces.index(t)
+    return set(traces[i - 1].cached_blocks) - set(t.cached_blocks) if i else set()
+
+
 def block_state(trace, b: int) -> str:
     """'used' (ref count > 0), 'cached-free' (ref count 0, prefix-cache entry kept) or 'free'."""
     if trace.ref_counts[b] > 0:
@@ -53,7 +68,9 @@ def pool_legend_handles() -> list:
             Patch(facecolor=CACHED_FREE_COLOR, edgecolor=EDGE_COLOR, hatch="//", label="cached-free block"),
             Patch(facecolor="white", edgecolor="black", linewidth=2.5, label="shared block (\u00d7N = ref count)"),
             Line2D([], [], marker="o", linestyle="none", color="white", markeredgecolor="black",
-                   label="block in prefix cache")]
+                   label="block in prefix cache"),
+            Patch(facecolor="white", edgecolor=EVICTED_COLOR, linewidth=2.5, linestyle="--",
+                  label="cache entry evicted this step")]
 
 
 def _pool_columns(num_blocks: int) -> int:
@@ -76,7 +93,7 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
         fig, (ax, tables_ax) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=[1, 1.3])
     ncols = ncols or _pool_columns(t.num_blocks)
     nrows = math.ceil(t.num_blocks / ncols)
-    owners, cached = block_owners(t), set(t.cached_blocks)
+    owners, cached, evicted = block_owners(t), set(t.cached_blocks), evicted_blocks(traces, step)
     cells, labels = [], {}
     for b in range(t.num_blocks):
         x, y = b % ncols, b // ncols
@@ -100,11 +117,15 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
             ax.text(x + 0.5, y + 0.5, labels[b], ha="center", va="center", fontsize=FONT_SIZE,
                     fontweight="bold", color=text_color_on(patches[0].get_facecolor()))
         if state == "used" and b in cached:                 # full block, findable by its hash
-            ax.plot(x + 0.83, y + 0.2, "o", markersize=4, color="white", markeredgecolor="black",
-                    markeredgewidth=0.8)
+            ax.plot(x + 0.83, y + 0.2, "o", markersize=6, color="white", markeredgecolor="black",
+                    markeredgewidth=1.0)
+        if b in evicted:
+            ax.add_patch(Rectangle((x + 0.1, y + 0.1), 0.8, 0.8, fill=False, edgecolor=EVICTED_COLOR,
+                                   linewidth=2.5, linestyle="--"))
         cells.append({"block": b, "state": state, "owners": owners[b], "ref_count": rc,
-                      "cached": b in cached, "patches": patches})
+                      "cached": b in cached, "evicted": b in evicted, "patches": patches})
     counts = {s: sum(c["state"] == s for c in cells) for s in ("used", "cached-free", "free")}
+    counts["evicted"] = len(evicted)
     ax.set_xlim(0, ncols)
     ax.set_ylim(nrows, 0)
     ax.set_aspect("equal")
@@ -114,7 +135,8 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
     for side in ax.spines.values():
         side.set_visible(False)
     ax.set_title(f"KV block pool: {counts['used']} used, {counts['cached-free']} cached-free, "
-                 f"{counts['free']} free  (block = row + column, {t.block_size} tokens each)",
+                 f"{counts['free']} free" + (f", {len(evicted)} evicted" if evicted else "")
+                 + f"  (block = row + column, {t.block_size} tokens each)",
                  fontsize=FONT_SIZE, loc="left")
     ax.legend(handles=pool_legend_handles(), loc="upper left", bbox_to_anchor=(0, -0.02), ncols=2,
               fontsize=SMALL_FONT, frameon=False)

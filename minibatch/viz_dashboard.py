@@ -60,14 +60,14 @@ def draw_step(traces, step: int, fig=None) -> dict:
     throughput["ax"].set_xlabel("")
     blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order)
     blocks["ax"].get_legend().remove()
-    blocks["ax"].set_title(f"KV block pool: {blocks['counts']['used']} used, "
-                           f"{blocks['counts']['cached-free']} cached-free, {blocks['counts']['free']} free",
-                           fontsize=FONT_SIZE, loc="left")
+    c = blocks["counts"]
+    blocks["ax"].set_title(f"KV block pool: {c['used']} used, {c['cached-free']} cached-free, {c['free']} free"
+                           + (f", {c['evicted']} evicted" if c["evicted"] else ""), fontsize=FONT_SIZE, loc="left")
     tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
     fig.suptitle(step_title(t), fontsize=FONT_SIZE + 1, x=0.01, ha="left", fontweight="bold")
     handles = {}                                           # one legend for every view, by label
-    for h in (legend_handles(timeline_cells(traces), speculation(traces), preempted_cells(traces)) + usage_legend_handles()
-              + pool_legend_handles()):
+    timeline_handles = legend_handles(timeline_cells(traces), speculation(traces), preempted_cells(traces))
+    for h in timeline_handles + usage_legend_handles() + pool_legend_handles():
         handles.setdefault(h.get_label(), h)
     fig.legend(handles=list(handles.values()), loc="lower center", ncols=6, fontsize=SMALL_FONT, frameon=False)
     return {"fig": fig, "step": step, "timeline": timeline, "blocks": blocks, "tables": tables,

@@ -42,6 +42,16 @@ def test_paged_shows_sharing_preemption_and_replays(tmp_path, capsys):
     assert any(t.preempted for t in rec.traces)
     assert any(max(t.ref_counts) > 1 for t in rec.traces)
     assert rec.traces[-1].prefix_cache_hits > 0
+    # eviction: an entry cached after one step and gone after the next, drawn with its own frame
+    from minibatch import viz
+    evictions = {t.step: viz.evicted_blocks(rec, t.step) for t in rec.traces}
+    assert sum(map(len, evictions.values())) > 0 and "cache entries evicted" in out
+    step, gone = next((s, e) for s, e in evictions.items() if e)
+    cells = viz.draw_blocks(rec, step)["cells"]
+    assert {c["block"] for c in cells if c["evicted"]} == gone
+    before = next(t for t in rec.traces if t.step == step - 1)
+    assert gone <= set(before.cached_blocks) and not gone & set(next(t for t in rec.traces
+                                                                     if t.step == step).cached_blocks)
     # replay: the same summary from the file alone, no model
     code, replay, _ = _run(capsys, str(tmp_path / "paged.json"), "--text")
     assert code == 0 and "step 0 · continuous" in replay
