@@ -46,8 +46,12 @@ def _shown_step(traces, value):
     return earlier[-1] if earlier else traces[0].step
 
 
-def step_through(traces, interval: int = 700, dpi: int = 90):
-    """A widget to step through ``traces`` (VBox; see the module doc for its handles)."""
+def step_through(traces, interval: int = 700, dpi: int = 90, static_frames: int = 24):
+    """A widget to step through ``traces`` (VBox; see the module doc for its handles).
+
+    A static render of the notebook (nbconvert, GitHub) has no widget front end: for it the widget's
+    display data also carry ``text/html``, the HTML player over ``static_frames`` steps, drawn when
+    the widget is displayed (a few seconds); ``static_frames=0`` leaves it out."""
     traces = as_traces(traces)
     try:
         import ipywidgets as W
@@ -84,7 +88,21 @@ def step_through(traces, interval: int = 700, dpi: int = 90):
     box.next = lambda: go(min(steps[-1], slider.value + 1))
     box.prev = lambda: go(max(steps[0], slider.value - 1))
     show(steps[0])
+    if static_frames:
+        widget_bundle, cache = box._repr_mimebundle_, {}
+
+        def bundle(**kwargs):                              # front ends pick the widget view, static ones the HTML
+            if "html" not in cache:
+                cache["html"] = _static_html(traces, static_frames)
+            return {**widget_bundle(**kwargs), "text/html": cache["html"]}
+        box._repr_mimebundle_ = bundle
     return box
+
+
+def _static_html(traces, frames: int) -> str:
+    """The HTML player (an HTML fragment, frames embedded) that stands in for the widget in a static render."""
+    from .viz_anim import animate, self_contained
+    return self_contained(animate(traces, max_frames=frames, dpi=60).to_jshtml())
 
 
 def live(engine, recorder: TraceRecorder = None, dpi: int = 90, run_limit: int = 1000):

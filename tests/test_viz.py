@@ -386,6 +386,17 @@ def test_step_through_steps_and_redraws(cont):
     assert w.current_step == 7                                    # unchanged after the error
 
 
+def test_step_through_also_carries_the_html_player_for_static_renders(cont):
+    """nbconvert / GitHub cannot show a widget: the display data must hold the HTML player beside it."""
+    from IPython.core.formatters import DisplayFormatter
+    data, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_frames=3))
+    assert "application/vnd.jupyter.widget-view+json" in data               # a live front end: the widget
+    html = data["text/html"]                                                # a static one: the player
+    assert html.count("data:image/png;base64") == 3 and "https://" not in html
+    plain, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_frames=0))
+    assert "text/html" not in plain
+
+
 def test_step_through_falls_back_to_html_without_ipywidgets(cont, monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)          # import ipywidgets -> ImportError
     shown = viz.step_through(cont[:2])
