@@ -22,7 +22,8 @@ When a running sequence needs a new block and none is free, the scheduler
 it will prefill its prompt and its output so far again when readmitted.
 
 ``scheduling="static"`` is the baseline: it forms a batch of up to
-``max_num_seqs`` requests in arrival order, reserving blocks for their full
+``max_num_seqs`` requests in queue order (arrival order under FCFS; with
+``policy="priority"``, priority first), reserving blocks for their full
 length (so it never preempts), runs it until every member is done, and admits
 nobody meanwhile; a finished member keeps its slot and computes a padding
 token that is thrown away (the engine does that: a rectangular batch cannot shrink).
@@ -193,7 +194,7 @@ class Scheduler:
         if all(s.is_finished for s in self.static_batch):   # the whole batch is done: form the next one
             self.static_batch = []
             reserved = 0
-            for seq in list(self.waiting):                    # arrival order (FCFS queue)
+            for seq in list(self.waiting):                    # queue order: arrival under FCFS
                 if len(self.static_batch) >= self.max_num_seqs:
                     break
                 n = 1 + seq.fork_pending
