@@ -27,7 +27,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from .viz_common import (CACHED_FREE_COLOR, EDGE_COLOR, FONT_SIZE, FREE_COLOR, SMALL_FONT,
                          UNKNOWN_OWNER_COLOR, as_traces, find_step, new_axes, seq_color, seq_order,
-                         text_color_on)
+                         short_label, text_color_on)
 
 
 def block_owners(trace) -> list:
@@ -175,7 +175,7 @@ def draw_block_tables(traces, step: int, ax=None, max_rows: int = 10, order=None
         ax.text(0, height + 0.3, f"... and {hidden} more sequences", fontsize=SMALL_FONT, va="top")
     ax.set_xlim(0, width)
     ax.set_ylim(max(height, len(shown)) + (0.6 if hidden else 0), 0)
-    ax.set_yticks([y + 0.5 for y in range(len(shown))], shown, fontsize=SMALL_FONT)
+    ax.set_yticks([y + 0.5 for y in range(len(shown))], [short_label(s) for s in shown], fontsize=SMALL_FONT)
     step_x = 1 if width <= 16 else max(1, width // 8)
     ax.set_xticks([i + 0.5 for i in range(0, width, step_x)], [str(i) for i in range(0, width, step_x)],
                   fontsize=SMALL_FONT)

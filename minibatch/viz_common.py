@@ -114,6 +114,15 @@ def seq_color(seq_id: str, order) -> tuple:
     return to_rgba(SEQ_PALETTE[order[seq_id] % len(SEQ_PALETTE)])
 
 
+def short_label(seq_id: str, width: int = 10) -> str:
+    """A sequence id fit for a row label: long ids keep head and tail: "longname_request_0" -> "longn…st_0"."""
+    seq_id = str(seq_id)
+    if len(seq_id) <= width:
+        return seq_id
+    tail = max(3, width // 2 - 1)
+    return f"{seq_id[:width - tail - 1]}\u2026{seq_id[-tail:]}"
+
+
 def text_color_on(rgba) -> str:
     """Black or white, whichever reads better on a fill (relative luminance, WCAG 2)."""
     r, g, b = rgba[:3]

@@ -22,7 +22,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from .viz_common import (FONT_SIZE, PHASE_COLORS, PHASE_LABELS, SMALL_FONT, SPEC_REJECTED_COLOR, as_traces,
-                         new_axes, seq_color, seq_order, text_color_on)
+                         new_axes, seq_color, seq_order, short_label, text_color_on)
 
 SPEC_TARGET_COLOR = "#00573F"     # the target model's own token in a speculative step (darker decode green)
 
@@ -161,7 +161,8 @@ def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order
     ax.set_ylim(len(rows) - 0.4, -0.95)
     # y labels carry the sequence's identity colour, the one the block views use
     label_every = max(1, len(rows) // 24)
-    ax.set_yticks(range(0, len(rows), label_every), rows[::label_every], fontsize=SMALL_FONT)
+    ax.set_yticks(range(0, len(rows), label_every), [short_label(r) for r in rows[::label_every]],
+                  fontsize=SMALL_FONT)
     for label, sid in zip(ax.get_yticklabels(), rows[::label_every]):
         color = seq_color(sid, order)
         label.set_bbox(dict(facecolor=color, edgecolor="none", pad=1.5))

@@ -516,3 +516,12 @@ def test_a_preemption_drawn_only_as_a_sliver_is_in_the_legend():
     labels = [h.get_label() for h in legend_handles(cells, {}, {("A", 3)})]
     assert viz.PHASE_LABELS["preempted"] in labels and viz.PHASE_LABELS["resumed"] in labels
     assert viz.PHASE_LABELS["preempted"] not in [h.get_label() for h in legend_handles(cells, {})]
+
+
+def test_long_request_ids_are_shortened_in_row_labels():
+    from minibatch.viz_common import short_label
+    assert short_label("r3.1") == "r3.1"
+    names = ["longname_request_0", "longname_request_1", "another_very_long_id_17"]
+    shown = [short_label(n) for n in names]
+    assert all(len(s) <= 10 for s in shown) and len(set(shown)) == 3     # short, and still told apart
+    assert shown[0].startswith("longn") and shown[0].endswith("st_0")
