@@ -114,8 +114,9 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
                                edgecolor="black" if shared else EDGE_COLOR, linewidth=2.5 if shared else 0.8))
         if shared:
             labels[b] = f"\u00d7{rc}"
-            ax.text(x + 0.5, y + 0.5, labels[b], ha="center", va="center", fontsize=FONT_SIZE,
-                    fontweight="bold", color=text_color_on(patches[0].get_facecolor()))
+            ax.text(x + 0.5, y + 0.5, labels[b], ha="center", va="center", fontsize=FONT_SIZE,   # on a white
+                    fontweight="bold", color="black",                   # chip: legible across the slivers
+                    bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85))
         if state == "used" and b in cached:                 # full block, findable by its hash
             ax.plot(x + 0.83, y + 0.2, "o", markersize=6, color="white", markeredgecolor="black",
                     markeredgewidth=1.0)
