@@ -78,7 +78,14 @@ def test_seeded_sampling_is_independent_of_the_batch():
 
 
 def test_unseeded_requests_do_not_disturb_seeded_ones():
-    logits = torch.randn(1, 256)
-    a = Sampler(0)(logits, [SamplingParams(seed=7)], [make_generator(7)])
-    b = Sampler(123)(logits, [SamplingParams(seed=7)], [make_generator(7)])
-    assert a == b
+    """Seeded row 1 draws the same token alone or between unseeded rows, whatever the sampler's own seed
+    (unseeded rows draw from the sampler's default generator, never from a seeded row's)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 256)
+    alone = [Sampler(0)(logits[1:2], [SamplingParams(seed=7)], [make_generator(7)])[0] for _ in range(2)]
+    mixed = []
+    for sampler_seed in (0, 123, 999):
+        params = [SamplingParams(), SamplingParams(seed=7), SamplingParams()]
+        mixed.append(Sampler(sampler_seed)(logits, params, [None, make_generator(7), None]))
+    assert {m[1] for m in mixed} == {alone[0]} == {alone[1]}
+    assert len({(m[0], m[2]) for m in mixed}) > 1, "unseeded rows do follow the sampler's seed"
