@@ -159,7 +159,8 @@ def test_draft_agrees_with_target(target_model, draft_model):
     x = torch.tensor(val[1000:1000 + 400].astype(np.int64))
     a = forward_sequences(target_model, [x.tolist()])[0].argmax(-1)
     b = forward_sequences(draft_model, [x.tolist()])[0].argmax(-1)
-    assert (a == b).float().mean() > 0.7      # 85 % on the shipped draft over 32k held-out positions
+    # 85.8 % here (85.3 % over 32k held-out positions); undistilled drafts reached 69-75 %, a random one 11 %
+    assert (a == b).float().mean() > 0.78
 
 
 def test_checksum_mismatch_is_a_clear_error(tmp_path):
