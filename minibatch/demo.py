@@ -123,7 +123,8 @@ def summary_lines(name: str, traces: list) -> list:
         lines.append(f"  {pre} preemption(s): those sequences lost their blocks and recomputed them later")
     last = traces[-1]
     if last.prefix_cache_queries:
-        evicted = sum(len(set(a.cached_blocks) - set(b.cached_blocks)) for a, b in zip(traces, traces[1:]))
+        from .viz_common import evicted_blocks            # matplotlib-free: the text view uses it too
+        evicted = sum(len(evicted_blocks(traces, t.step)) for t in traces)
         lines.append(f"  prefix cache: {last.prefix_cache_hits} of {last.prefix_cache_queries} full prompt "
                      f"blocks reused; {evicted} cache entries evicted to make room")
     if any(max(last.ref_counts or [0]) > 1 or max(t.ref_counts or [0]) > 1 for t in traces):

@@ -24,7 +24,7 @@ from .attention import AttentionMetadata, PagedAttention
 from .block_allocator import BlockAllocator, NoFreeBlocksError
 from .kv_cache import KVCache
 from .sampler import make_generator, probabilities
-from .speculative import ngram_propose
+from .speculative import check_ngram_sizes, ngram_propose
 
 METHODS = ("draft", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
@@ -41,7 +41,7 @@ def _decode_ready(seq) -> bool:
 
 class NgramProposer:
     def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
-        ngram_propose([], 0, n_max, n_min)                 # validates n_min, n_max now, not at the first step
+        check_ngram_sizes(n_min, n_max)                    # now, not at the first step
         self.k, self.n_max, self.n_min = k, n_max, n_min
 
     def propose_for(self, running) -> None:

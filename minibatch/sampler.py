@@ -35,7 +35,8 @@ class SamplingParams:
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= -1,
+             f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}"),
             (0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),

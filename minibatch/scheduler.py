@@ -154,9 +154,8 @@ class Scheduler:
                         raise
                     # the least important among those not yet scheduled and (prefill-first) those admitted
                     # this step: a newcomer must not push out a more important sequence already running
-                    fresh = [s.seq for s in out.scheduled if s.seq in out.admitted]
-                    victim = max(queue[i:] + fresh, key=lambda s: s.sort_key(self.policy))
-                    if victim in fresh:
+                    victim = max(queue[i:] + out.admitted, key=lambda s: s.sort_key(self.policy))
+                    if victim in out.admitted:
                         self._unadmit(victim, out, budget)
                     else:
                         queue.remove(victim)

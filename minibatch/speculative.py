@@ -125,6 +125,11 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.
 
 # -- a proposer without a model: prompt lookup decoding ---------------------------------------------------------
 
+def check_ngram_sizes(n_min: int, n_max: int) -> None:
+    if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
+        raise ValueError(f"need integers 1 <= n_min <= n_max, got n_min={n_min!r}, n_max={n_max!r}")
+
+
 def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
     """Prompt lookup decoding (Saxena, 2023; vLLM's ``ngram`` method): guess that the text repeats itself.
 
@@ -136,8 +141,7 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
     """
     if not isinstance(k, int) or k < 0:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
-    if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
-        raise ValueError(f"need integers 1 <= n_min <= n_max, got n_min={n_min!r}, n_max={n_max!r}")
+    check_ngram_sizes(n_min, n_max)
     tokens = list(token_ids)
     L = len(tokens)
     if k == 0:

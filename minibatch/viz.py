@@ -26,8 +26,9 @@ and notebooks can check it. The rooms, one idea each:
     viz_text       text_view, print_trace
 """
 from .viz_anim import WriterUnavailableError, animate, busiest_step, frame_steps, save, to_html
-from .viz_blocks import block_owners, block_state, draw_block_tables, draw_blocks, evicted_blocks
-from .viz_common import PHASE_COLORS, PHASE_LABELS, SEQ_PALETTE, TraceError, as_traces, seq_color, seq_order
+from .viz_blocks import block_owners, block_state, draw_block_tables, draw_blocks
+from .viz_common import (PHASE_COLORS, PHASE_LABELS, SEQ_PALETTE, TraceError, as_traces, evicted_blocks,
+                         seq_color, seq_order)
 from .viz_dashboard import draw_step, step_title
 from .viz_text import print_trace, text_view
 from .viz_timeline import draw_timeline, speculation, timeline_cells
@@ -37,7 +38,7 @@ from .viz_widget import live, step_through
 __all__ = [
     "draw_step", "draw_timeline", "draw_blocks", "draw_block_tables", "draw_kv_usage", "draw_throughput",
     "draw_comparison", "animate", "save", "to_html", "step_through", "live", "text_view", "print_trace",
-    "seq_color", "seq_order", "timeline_cells", "speculation", "block_owners", "block_state", "evicted_blocks", "kv_usage",
-    "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
+    "seq_color", "seq_order", "timeline_cells", "speculation", "block_owners", "block_state", "evicted_blocks",
+    "kv_usage", "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
     "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "TraceError", "WriterUnavailableError",
 ]

@@ -26,8 +26,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from .viz_common import (CACHED_FREE_COLOR, EDGE_COLOR, FONT_SIZE, FREE_COLOR, SMALL_FONT,
-                         UNKNOWN_OWNER_COLOR, as_traces, find_step, new_axes, seq_color, seq_order,
-                         short_label, text_color_on)
+                         UNKNOWN_OWNER_COLOR, as_traces, evicted_blocks, find_step, new_axes, seq_color,
+                         seq_order, short_label, text_color_on)
 
 
 def block_owners(trace) -> list:
@@ -46,16 +46,6 @@ def block_owners(trace) -> list:
 EVICTED_COLOR = "#D55E00"      # Okabe-Ito vermillion, as "preempted": something was lost this step
 
 
-def evicted_blocks(traces, step: int) -> set:
-    """Blocks whose prefix-cache entry ended in ``step``: cached after the step before, not after this one.
-    An entry ends only when its block is taken for other tokens (eviction, vLLM §4.3), so the trace
-    shows it without a field of its own. The first step has no step before: nothing was cached yet."""
-    traces = as_traces(traces)
-    t = find_step(traces, step)
-    i = traces.index(t)
-    return set(traces[i - 1].cached_blocks) - set(t.cached_blocks) if i else set()
-
-
 def block_state(trace, b: int) -> str:
     """'used' (ref count > 0), 'cached-free' (ref count 0, prefix-cache entry kept) or 'free'."""
     if trace.ref_counts[b] > 0:
@@ -71,6 +61,12 @@ def pool_legend_handles() -> list:
                    label="block in prefix cache"),
             Patch(facecolor="white", edgecolor=EVICTED_COLOR, linewidth=2.5, linestyle="--",
                   label="cache entry evicted this step")]
+
+
+def pool_title(counts: dict) -> str:
+    """'KV block pool: 17 used, 6 cached-free, 1 free, 1 evicted' (evicted only when there are some)."""
+    return (f"KV block pool: {counts['used']} used, {counts['cached-free']} cached-free, {counts['free']} free"
+            + (f", {counts['evicted']} evicted" if counts["evicted"] else ""))
 
 
 def _pool_columns(num_blocks: int) -> int:
@@ -135,9 +131,7 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
     ax.tick_params(length=0, labeltop=True, labelbottom=False)
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(f"KV block pool: {counts['used']} used, {counts['cached-free']} cached-free, "
-                 f"{counts['free']} free" + (f", {len(evicted)} evicted" if evicted else "")
-                 + f"  (block = row + column, {t.block_size} tokens each)",
+    ax.set_title(pool_title(counts) + f"  (block = row + column, {t.block_size} tokens each)",
                  fontsize=FONT_SIZE, loc="left")
     ax.legend(handles=pool_legend_handles(), loc="upper left", bbox_to_anchor=(0, -0.02), ncols=2,
               fontsize=SMALL_FONT, frameon=False)

@@ -92,6 +92,15 @@ def find_step(traces: list, step: int) -> StepTrace:
     raise TraceError(f"step {step} is not in the trace (it has steps {traces[0].step}..{traces[-1].step})")
 
 
+def evicted_blocks(traces: TraceLike, step: int) -> set:
+    """Blocks whose prefix-cache entry ended in ``step``: cached after the step before, not after this one.
+    An entry ends only when its block is taken for other tokens (eviction, vLLM §4.3), so the trace
+    shows it without a field of its own. The first step has no step before: nothing was cached yet."""
+    traces = as_traces(traces)
+    i = traces.index(find_step(traces, step))
+    return set(traces[i - 1].cached_blocks) - set(traces[i].cached_blocks) if i else set()
+
+
 def seq_order(traces: TraceLike) -> dict:
     """seq id -> 0, 1, 2, ... in order of first appearance (batch order, then
     running, then waiting within a step). The stable index behind seq_color."""

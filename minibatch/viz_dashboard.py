@@ -15,9 +15,9 @@ The animation and the widgets redraw exactly this, one step per frame.
 """
 from __future__ import annotations
 
-from .viz_blocks import draw_block_tables, draw_blocks, pool_legend_handles
+from .viz_blocks import draw_block_tables, draw_blocks, pool_legend_handles, pool_title
 from .viz_common import DASHBOARD_SIZE, FONT_SIZE, SMALL_FONT, as_traces, find_step, seq_order
-from .viz_timeline import draw_timeline, legend_handles, preempted_cells, speculation, timeline_cells
+from .viz_timeline import draw_timeline
 from .viz_usage import draw_kv_usage, draw_throughput, usage_legend_handles
 
 
@@ -60,14 +60,11 @@ def draw_step(traces, step: int, fig=None) -> dict:
     throughput["ax"].set_xlabel("")
     blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order)
     blocks["ax"].get_legend().remove()
-    c = blocks["counts"]
-    blocks["ax"].set_title(f"KV block pool: {c['used']} used, {c['cached-free']} cached-free, {c['free']} free"
-                           + (f", {c['evicted']} evicted" if c["evicted"] else ""), fontsize=FONT_SIZE, loc="left")
+    blocks["ax"].set_title(pool_title(blocks["counts"]), fontsize=FONT_SIZE, loc="left")
     tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
     fig.suptitle(step_title(t), fontsize=FONT_SIZE + 1, x=0.01, ha="left", fontweight="bold")
     handles = {}                                           # one legend for every view, by label
-    timeline_handles = legend_handles(timeline_cells(traces), speculation(traces), preempted_cells(traces))
-    for h in timeline_handles + usage_legend_handles() + pool_legend_handles():
+    for h in timeline["legend"] + usage_legend_handles() + pool_legend_handles():   # timeline's: whole run
         handles.setdefault(h.get_label(), h)
     fig.legend(handles=list(handles.values()), loc="lower center", ncols=6, fontsize=SMALL_FONT, frameon=False)
     return {"fig": fig, "step": step, "timeline": timeline, "blocks": blocks, "tables": tables,

@@ -1,6 +1,10 @@
 """The lecture demo CLI, end to end with small sizes: every scenario runs, writes what it says,
 and its recorded trace replays without a model."""
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -84,7 +88,7 @@ def test_text_only_prints_every_step_and_writes_nothing(tmp_path, capsys, monkey
     (["continuous", "--small", "--out", "x.webm"], "cannot save 'x.webm'"),
     (["missing.json"], "missing.json"),
     pytest.param(["continuous", "--small", "--out", "x.mp4"], "needs ffmpeg",
-                 marks=pytest.mark.skipif(__import__("shutil").which("ffmpeg") is not None,
+                 marks=pytest.mark.skipif(shutil.which("ffmpeg") is not None,
                                           reason="ffmpeg is installed: .mp4 works here")),
 ])
 def test_bad_demo_input_is_a_clear_error(argv, needle, capsys, tmp_path, monkeypatch):
@@ -95,8 +99,6 @@ def test_bad_demo_input_is_a_clear_error(argv, needle, capsys, tmp_path, monkeyp
 
 def test_text_view_needs_no_matplotlib(tmp_path):
     """--text is the fallback for machines without graphics: it must run with matplotlib absent."""
-    import subprocess
-    import sys
     script = (
         "import sys\n"
         "class Block:\n"
@@ -107,6 +109,6 @@ def test_text_view_needs_no_matplotlib(tmp_path):
         "from minibatch.__main__ import main\n"
         "sys.exit(main(['demo', 'static', '--small', '--text']))\n")
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step 0 · static" in res.stdout and "static: " in res.stdout
