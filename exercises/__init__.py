@@ -38,25 +38,25 @@ class Piece:
 
 
 PIECES = {p.name: p for p in (
-    Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv_cache", "slot mapping"),
-    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.attention",
+    Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv.kv_cache", "slot mapping"),
+    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.attention",
           "paged attention"),
-    Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampler", "top-k / top-p"),
-    Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.speculative",
+    Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.engine.sampler", "top-k / top-p"),
+    Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
           "rejection sampler"),
-    Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.speculative", "n-gram proposer"),
+    Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
 )}
 BY_PART = {p.part: p for p in PIECES.values()}
 
 # Modules that call a piece through a module-level name: patch_engine rebinds these
 # (``from .kv_cache import slot_mapping as _slot_mapping`` copies the function into attention.py,
-# so patching minibatch.kv_cache alone would not reach the call in AttentionMetadata.build).
+# so patching minibatch.kv.kv_cache alone would not reach the call in AttentionMetadata.build).
 CALL_SITES = {
-    "slot_mapping": [("minibatch.kv_cache", "slot_mapping"), ("minibatch.attention", "_slot_mapping")],
-    "paged_attention": [("minibatch.attention", "paged_attention_torch")],   # the "torch" backend
-    "top_k_top_p": [("minibatch.sampler", "apply_top_k_top_p")],            # called by probabilities()
-    "rejection_sampler": [("minibatch.speculative", "rejection_sample"), ("minibatch.engine", "rejection_sample")],
-    "ngram": [("minibatch.speculative", "ngram_propose"), ("minibatch.proposers", "ngram_propose")],
+    "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.attention", "_slot_mapping")],
+    "paged_attention": [("minibatch.kv.attention", "paged_attention_torch")],   # the "torch" backend
+    "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
+    "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.engine", "rejection_sample")],
+    "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -9,8 +9,8 @@ import time
 
 
 def _generate(args) -> int:
-    from .llm import LLM
-    from .sampler import SamplingParams
+    from minibatch.engine.llm import LLM
+    from minibatch.engine.sampler import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "generate":
             return _generate(args)
-        from .demo import run_demo
+        from minibatch.bench.demo import run_demo
         return run_demo(args.scenario, out=args.out, text_only=args.text, small=args.small)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,11 +31,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def target_model():
-    from minibatch.weights import load_model
+    from minibatch.model.weights import load_model
     return load_model("target", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def draft_model():
-    from minibatch.weights import load_model
+    from minibatch.model.weights import load_model
     return load_model("draft", device="cpu")

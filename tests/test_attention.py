@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.attention import (BACKENDS, AttentionMetadata, PagedAttention, paged_attention_dense,
+from minibatch.kv.attention import (BACKENDS, AttentionMetadata, PagedAttention, paged_attention_dense,
                                  paged_attention_torch, store_kv_torch)
-from minibatch.block_allocator import BlockAllocator
-from minibatch.kv_cache import KVCache, block_table_tensor, slot_mapping
-from minibatch.model import GPT, DenseAttention, get_config
+from minibatch.kv.block_allocator import BlockAllocator
+from minibatch.kv.kv_cache import KVCache, block_table_tensor, slot_mapping
+from minibatch.model.model import GPT, DenseAttention, get_config
 
 
 def _has_triton_kernels():

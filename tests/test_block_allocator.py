@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minibatch.block_allocator import BlockAllocator, NoFreeBlocksError, UnknownSequenceError
+from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError, UnknownSequenceError
 
 
 def toks(n, start=100):
@@ -369,7 +369,7 @@ TestAllocatorMachineNoCache.settings = _fast
 
 # -- the memory-efficiency script, on a tiny config ------------------------------------------
 def test_kv_efficiency_paged_beats_contiguous(capsys):
-    from minibatch.kv_efficiency import main
+    from minibatch.bench.kv_efficiency import main
     r = main(["--num-requests", "24", "--block-size", "16", "--max-len", "128", "--seed", "1"])
     assert 0 < r["contiguous_share"] < r["paged_share"] <= 1
     assert r["paged_fit"] > r["contiguous_fit"]

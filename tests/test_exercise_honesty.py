@@ -128,15 +128,15 @@ def test_mutant_fails_a_graded_test(graded, mutant):
 # -- the switch ------------------------------------------------------------------------------------------
 
 def test_switch_selects_per_piece(monkeypatch):
-    import minibatch.kv_cache
-    import minibatch.sampler
+    import minibatch.kv.kv_cache
+    import minibatch.engine.sampler
     monkeypatch.delenv("MINIBATCH_STUDENT_DIR", raising=False)
     monkeypatch.delenv("MINIBATCH_STUDENT", raising=False)
-    assert exercises.get("slot_mapping") is minibatch.kv_cache.slot_mapping
+    assert exercises.get("slot_mapping") is minibatch.kv.kv_cache.slot_mapping
     monkeypatch.setenv("MINIBATCH_STUDENT", " ex1, top_k_top_p ")
     assert exercises.selected() == {"slot_mapping", "top_k_top_p"}
     assert exercises.get("slot_mapping").__module__.endswith("ex1_slot_mapping")
-    assert exercises.get("ex3") is not minibatch.sampler.apply_top_k_top_p
+    assert exercises.get("ex3") is not minibatch.engine.sampler.apply_top_k_top_p
     assert exercises.get("ngram") is exercises.reference("ngram")
     monkeypatch.setenv("MINIBATCH_STUDENT", "ALL")
     assert exercises.selected() == set(exercises.PIECES)
@@ -153,15 +153,15 @@ def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
-    import minibatch.attention as attention
-    import minibatch.engine as engine
-    import minibatch.kv_cache as kv_cache
-    import minibatch.proposers as proposers
-    import minibatch.sampler as sampler
-    import minibatch.speculative as speculative
+    import minibatch.kv.attention as attention
+    import minibatch.engine.engine as engine
+    import minibatch.kv.kv_cache as kv_cache
+    import minibatch.spec_decode.ngram as ngram
+    import minibatch.engine.sampler as sampler
+    import minibatch.spec_decode.rejection_sampler as speculative
     sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (attention, "paged_attention_torch"),
              (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"), (engine, "rejection_sample"),
-             (speculative, "ngram_propose"), (proposers, "ngram_propose")]
+             (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
     with exercises.patch_engine("all") as patch:
@@ -179,7 +179,7 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
     """A tiny random GPT, n-gram speculation, one greedy and one top-k/top-p request: same text, every piece called."""
     import torch
     from minibatch import LLM, SamplingParams
-    from minibatch.model import GPT, GPTConfig
+    from minibatch.model.model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=32, n_ctx=64)).eval()
     prompts = ["abcabcabcabcab", "xyzxyzxy"]

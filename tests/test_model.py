@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minibatch import tokenizer
-from minibatch.data import load_corpus
-from minibatch.model import GPT, DenseAttention, GPTConfig, forward_sequences, get_config
-from minibatch.reference import ContiguousKVAttention, generate, generate_with_cache
-from minibatch.sampler import SamplingParams
-from minibatch.weights import ChecksumError, WEIGHTS_DIR, load_model, read_manifest
+from minibatch.model import tokenizer
+from minibatch.model.data import load_corpus
+from minibatch.model.model import GPT, DenseAttention, GPTConfig, forward_sequences, get_config
+from minibatch.model.reference import ContiguousKVAttention, generate, generate_with_cache
+from minibatch.engine.sampler import SamplingParams
+from minibatch.model.weights import ChecksumError, WEIGHTS_DIR, load_model, read_manifest
 
 
 @pytest.fixture(scope="module")

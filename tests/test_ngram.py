@@ -6,8 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minibatch.speculative import SpecStats, expected_speedup, expected_tokens_per_step, ngram_propose, \
-    rejection_sample
+from minibatch.spec_decode.ngram import ngram_propose
+from minibatch.spec_decode.rejection_sampler import rejection_sample
+from minibatch.spec_decode.stats import SpecStats, expected_speedup, expected_tokens_per_step
 
 # -- ngram_propose: exact expectations ---------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Block size 4 throughout, so block i of a prompt is tokens 4i..4i+3.
 """
 import pytest
 
-import minibatch.block_allocator as ba
-from minibatch.block_allocator import BlockAllocator, NoFreeBlocksError
+import minibatch.kv.block_allocator as ba
+from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
 
 A = [10, 11, 12, 13, 20, 21, 22, 23, 30, 31]        # 2 full blocks + 2 tokens
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from minibatch.speculative import rejection_sample
+from minibatch.spec_decode.rejection_sampler import rejection_sample
 
 V = 8
 N = 100_000                     # rows (independent trials) per statistical call; ~4 s each on a laptop CPU

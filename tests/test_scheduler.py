@@ -4,10 +4,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minibatch import LLM, SamplingParams
-from minibatch.block_allocator import BlockAllocator
-from minibatch.model import GPT, GPTConfig
-from minibatch.scheduler import Scheduler
-from minibatch.sequence import Sequence
+from minibatch.kv.block_allocator import BlockAllocator
+from minibatch.model.model import GPT, GPTConfig
+from minibatch.engine.scheduler import Scheduler
+from minibatch.engine.sequence import Sequence
 
 
 def make(prompt_len, max_tokens, order, rid, priority=0):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.model import GPT, GPTConfig
-from minibatch.reference import generate
+from minibatch.model.model import GPT, GPTConfig
+from minibatch.model.reference import generate
 from minibatch.trace import TraceRecorder
 from test_engine import MAX_TOKENS, PROMPTS
 

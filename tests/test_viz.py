@@ -483,7 +483,7 @@ def test_text_view_lists_the_batch_and_counts(cont):
 
 def test_text_view_needs_no_matplotlib():
     import subprocess
-    code = ("import sys; from minibatch.viz_text import text_view, print_trace; "
+    code = ("import sys; from minibatch.viz.text import text_view, print_trace; "
             "assert not any(m.startswith('matplotlib') for m in sys.modules), 'matplotlib was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -494,7 +494,7 @@ def test_admitted_but_not_yet_scheduled_is_stalled_not_forked():
     the step they join. They are batch members waiting for compute ("stalled"), not n > 1 forks."""
     import torch
     from minibatch import LLM, SamplingParams
-    from minibatch.model import GPT, GPTConfig
+    from minibatch.model.model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=16, n_ctx=64)).eval()
     llm = LLM(model, block_size=8, max_num_batched_tokens=8, scheduling="static", max_num_seqs=3)
@@ -511,7 +511,7 @@ def test_admitted_but_not_yet_scheduled_is_stalled_not_forked():
 
 
 def test_a_preemption_drawn_only_as_a_sliver_is_in_the_legend():
-    from minibatch.viz_timeline import legend_handles
+    from minibatch.viz.timeline import legend_handles
     cells = {("A", 3): "resumed", ("A", 4): "decode"}            # preempted and readmitted at step 3
     labels = [h.get_label() for h in legend_handles(cells, {}, {("A", 3)})]
     assert viz.PHASE_LABELS["preempted"] in labels and viz.PHASE_LABELS["resumed"] in labels
@@ -519,7 +519,7 @@ def test_a_preemption_drawn_only_as_a_sliver_is_in_the_legend():
 
 
 def test_long_request_ids_are_shortened_in_row_labels():
-    from minibatch.viz_common import short_label
+    from minibatch.viz.common import short_label
     assert short_label("r3.1") == "r3.1"
     names = ["longname_request_0", "longname_request_1", "another_very_long_id_17"]
     shown = [short_label(n) for n in names]

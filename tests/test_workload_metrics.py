@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from minibatch.metrics import RequestMetrics, add_ratio_row, format_table, percentiles, summarize
-from minibatch.sampler import SamplingParams
+from minibatch.engine.outputs import RequestMetrics
+from minibatch.bench.metrics import add_ratio_row, format_table, percentiles, summarize
+from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import SeqStep, StepTrace
-from minibatch.workload import PREAMBLE, WORKLOADS, WorkloadRequest, describe, make_workload
+from minibatch.bench.workload import PREAMBLE, WORKLOADS, WorkloadRequest, describe, make_workload
 
 # -- workloads -----------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,191 @@
+"""Benchmark: Triton paged attention vs PyTorch paged attention, at decode.
+
+    python -m minibatch.bench attention            # on a CUDA machine: the table
+    python -m minibatch.bench attention --quick    # fewer, smaller configurations
+
+Decode is the memory-bound case: each new token reads its sequence's whole
+K/V context once and does ~2 FLOPs per byte, so the figure of merit is the
+memory bandwidth reached, ``bytes of K/V read / time``, against the GPU's peak
+(H100 ~3.35 TB/s, H200 ~4.8 TB/s HBM3). The PyTorch side is
+``minibatch.attention.paged_attention_torch`` (one sequence at a time, gather
+through the block table, dense softmax) and, if present, the vectorised
+``paged_attention_dense``; without that module, a local per-sequence gather.
+
+Timings: CUDA events around ``iters`` back-to-back calls after a warm-up, the
+median of a few such repeats. "triton" times the kernel launch on inputs
+checked once beforehand; "checked" is the public ``kernels.paged_attention``,
+whose input checks take one host sync per call.
+
+Without CUDA there is nothing to time: the script says so and runs a tiny
+correctness check through the Triton interpreter instead.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import torch
+
+# decode configurations: (batch, context, num_heads, num_kv_heads, head_dim, dtype)
+CONFIGS = [
+    (32, 1024, 32, 8, 128, torch.float16),
+    (32, 4096, 32, 8, 128, torch.float16),
+    (64, 2048, 32, 8, 128, torch.bfloat16),
+    (64, 4096, 32, 8, 128, torch.bfloat16),
+    (64, 1024, 16, 16, 64, torch.float16),
+    (32, 2048, 8, 1, 64, torch.float16),     # MQA
+]
+QUICK = [CONFIGS[0], CONFIGS[4]]
+BLOCK_SIZE = 16
+
+
+def local_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    """Per sequence: gather K/V through the block table, causal softmax with offset, in float32."""
+    T, H, D = query.shape
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, L in enumerate(lens):
+        s, e = qsl[b], qsl[b + 1]
+        if e == s:
+            continue
+        pos = torch.arange(L, device=query.device)
+        phys = block_tables[b].long()[pos // bs]
+        k = key_cache[phys, pos % bs].float().repeat_interleave(H // Hkv, 1)   # [L, H, D]
+        v = value_cache[phys, pos % bs].float().repeat_interleave(H // Hkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
+        q_pos = L - (e - s) + torch.arange(e - s, device=query.device)
+        scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
+def torch_references():
+    """[(name, fn)]: the project's PyTorch backends if importable, else the local one."""
+    try:
+        from minibatch.kv import attention
+    except Exception as e:   # noqa: BLE001 - any failure means "use the local reference"
+        print(f"(minibatch.kv.attention not importable: {e!r}; using the local reference)")
+        return [("torch-local", local_paged_reference)]
+    refs = [(n, getattr(attention, f)) for n, f in (("torch", "paged_attention_torch"),
+                                                    ("torch-dense", "paged_attention_dense"))
+            if hasattr(attention, f)]
+    return refs or [("torch-local", local_paged_reference)]
+
+
+def make_decode_batch(B, ctx, H, Hkv, D, dtype, device, seed=0):
+    """One decode token per sequence; contexts near ctx, not multiples of the block size;
+    blocks shuffled over a pool with 25% to spare."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    seq_lens = ctx - torch.randint(0, BLOCK_SIZE, (B,), generator=g)
+    n_blocks = (seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    max_blocks = int(n_blocks.max())
+    num_blocks = int(n_blocks.sum() * 5 // 4) + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(B, max_blocks, dtype=torch.int32)
+    start = 0
+    for b in range(B):
+        n = int(n_blocks[b])
+        block_tables[b, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, Hkv, D, device=device, dtype=dtype)
+    query = torch.randn(B, H, D, device=device, dtype=dtype)
+    return dict(query=query, key_cache=kv[0], value_cache=kv[1],
+                block_tables=block_tables.to(device), seq_lens=seq_lens.to(torch.int32).to(device),
+                query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=device))
+
+
+def cuda_time_ms(fn, iters, repeats=5):
+    """Median over `repeats` of (time of `iters` back-to-back calls) / iters, in ms."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def bench_cuda(configs, iters):
+    import kernels
+    from kernels.paged_attention import _launch, check_paged_inputs
+
+    refs = torch_references()
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+          f"triton {__import__('triton').__version__}; block_size {BLOCK_SIZE}; decode (1 token/seq)")
+    head = (f"{'B':>3} {'ctx':>5} {'H':>3} {'Hkv':>3} {'D':>4} {'dtype':>8} | {'triton':>8} "
+            f"{'checked':>8} | " + " ".join(f"{n:>11}" for n, _ in refs)
+            + f" | {'speed-up':>8} {'GB/s':>7} | {'max|err|':>8}")
+    print("times in ms; speed-up = first PyTorch reference / triton; "
+          "GB/s = K/V bytes read / triton time\n" + head + "\n" + "-" * len(head))
+    for B, ctx, H, Hkv, D, dtype in configs:
+        try:
+            x = make_decode_batch(B, ctx, H, Hkv, D, dtype, "cuda")
+            args = [x[n] for n in ("query", "key_cache", "value_cache", "block_tables",
+                                   "seq_lens", "query_start_loc")]
+            scale = 1.0 / math.sqrt(D)
+            max_q = check_paged_inputs(*args, scale, 1)
+            out = torch.empty_like(x["query"])
+            t_tri = cuda_time_ms(lambda: _launch(*args, scale, max_q, out), iters)
+            t_chk = cuda_time_ms(lambda: kernels.paged_attention(*args, scale, 1), iters)
+            t_refs = []
+            for _, fn in refs:
+                try:
+                    t_refs.append(cuda_time_ms(lambda: fn(*args, scale), max(1, iters // 10), 3))
+                except torch.cuda.OutOfMemoryError:
+                    t_refs.append(float("nan"))
+                    torch.cuda.empty_cache()
+            want = refs[0][1](*args, scale)
+            err = (kernels.paged_attention(*args, scale).float() - want.float()).abs().max().item()
+            kv_bytes = 2 * int(x["seq_lens"].sum()) * Hkv * D * x["key_cache"].element_size()
+            print(f"{B:>3} {ctx:>5} {H:>3} {Hkv:>3} {D:>4} {str(dtype)[6:]:>8} | {t_tri:8.3f} "
+                  f"{t_chk:8.3f} | " + " ".join(f"{t:11.3f}" for t in t_refs)
+                  + f" | {t_refs[0] / t_tri:7.1f}x {kv_bytes / t_tri / 1e6:7.0f} | {err:8.1e}"
+                  + ("  <-- MISMATCH" if not err < 2e-2 else ""), flush=True)
+            del x, args, out, want
+            torch.cuda.empty_cache()
+        except Exception as e:   # noqa: BLE001 - report and go on with the next row
+            print(f"{B:>3} {ctx:>5} {H:>3} {Hkv:>3} {D:>4} {str(dtype)[6:]:>8} | failed: {e!r}")
+            torch.cuda.empty_cache()
+
+
+def smoke_cpu():
+    """Tiny correctness check through the Triton interpreter (no timings)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")       # before the first import of kernels
+    import kernels
+    print("CUDA is needed for timings; running a tiny correctness check through the "
+          "Triton interpreter instead.")
+    t0 = time.perf_counter()
+    x = make_decode_batch(3, 40, 8, 2, 32, torch.float32, "cpu")
+    args = [x[n] for n in ("query", "key_cache", "value_cache", "block_tables",
+                           "seq_lens", "query_start_loc")]
+    out = kernels.paged_attention(*args, 32 ** -0.5)
+    for name, fn in torch_references()[:1] + [("torch-local", local_paged_reference)]:
+        err = (out - fn(*args, 32 ** -0.5)).abs().max().item()
+        print(f"  triton vs {name}: max |err| = {err:.1e} ({'ok' if err < 1e-4 else 'MISMATCH'})")
+    print(f"  ({time.perf_counter() - t0:.1f} s)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="two small configurations only")
+    p.add_argument("--iters", type=int, default=50, help="calls per timing sample (triton)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        smoke_cpu()
+        return
+    torch.manual_seed(0)
+    bench_cuda(QUICK if a.quick else CONFIGS, a.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Lecture demos: one command from nothing to an animation you can put on a slide.
+
+    python -m minibatch demo continuous            static vs continuous batching, same workload
+    python -m minibatch demo static                the static baseline alone (padding slots)
+    python -m minibatch demo paged                 blocks allocated, shared (prefix cache, fork),
+                                                   freed, evicted and preempted
+    python -m minibatch demo speculative           draft proposals accepted and rejected
+    python -m minibatch demo run.json              replay a saved trace (no model needed)
+
+Each scenario runs the shipped model through the real engine, records every step
+with a ``TraceRecorder``, prints a short summary, and writes
+
+    demo-<scenario>.gif      the dashboard, one frame per step (``--out`` picks .gif/.html/.mp4/.png)
+    demo-<scenario>.json     the recorded trace: replay it later without computing anything
+    demo-continuous-comparison.png   (continuous only) the two runs side by side
+
+``--text`` prints the per-step text view instead of drawing (a terminal, an SSH
+session, a machine without graphics); ``--small`` runs a smaller workload (CI).
+The scenarios are deterministic: greedy decoding, fixed prompts, fixed seeds.
+"""
+from __future__ import annotations
+
+import pathlib
+
+from minibatch.engine.engine import EngineConfig, LLMEngine
+from minibatch.engine.sampler import SamplingParams
+from minibatch.trace import TraceRecorder
+
+SCENARIOS = ("continuous", "static", "paged", "speculative")
+
+# Short code prompts; their greedy continuations are predictable enough for a draft to guess.
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "def read_file(path):\n", "if __name__ == '__main__':\n",
+           "try:\n    import json\n", "def __repr__(self):\n", "with open(path) as f:\n",
+           "    def close(self):\n", "# Copyright 2001\n", "def main(argv=None):\n"]
+
+
+def _drive(engine: LLMEngine, arrivals: list) -> None:
+    """Step the engine to the end; ``arrivals`` = [(step, request_id, prompt, params)] joining at that step.
+
+    Arrivals by step (not by wall clock) make the picture the same on every machine.
+    """
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        engine.step()
+        step += 1
+
+
+def _record(model, arrivals, meta, draft=None, **config) -> TraceRecorder:
+    engine = LLMEngine(model, EngineConfig(**config), draft)
+    rec = TraceRecorder(meta=meta)
+    engine.add_hook(rec)
+    _drive(engine, arrivals)
+    engine.allocator.check_invariants(live_seq_ids=[])     # a demo that leaks blocks is a bug, not a lesson
+    return rec
+
+
+def _longtail_arrivals(n: int):
+    """Everyone at step 0; output lengths with a long tail (most short, a few long): what static batching hates."""
+    lengths = [6, 40, 8, 5, 12, 7, 36, 9, 6, 28, 10, 7][:n]
+    return [(0, f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=m))
+            for i, m in enumerate(lengths)]
+
+
+def scenario_batching(model, small: bool) -> dict:
+    n = 6 if small else 12
+    common = dict(block_size=8, num_gpu_blocks=48, max_num_seqs=4, max_num_batched_tokens=64)
+    runs = {}
+    for scheduling in ("static", "continuous"):
+        rec = _record(model, _longtail_arrivals(n), {"scenario": scheduling}, scheduling=scheduling, **common)
+        runs[scheduling] = (rec, None)
+    return runs
+
+
+def scenario_paged(model, small: bool) -> dict:
+    """A shared preamble (prefix-cache hits), n = 2 parallel sampling (fork + copy-on-write),
+    and a pool too small for everyone (preemption by recompute, then eviction of cached blocks)."""
+    preamble = "import os\nimport sys\n\ndef main():\n"                      # 32 bytes = 8 full blocks of 4
+    arrivals = [(0, "a", preamble + "    print(", SamplingParams(temperature=0, max_tokens=12)),
+                (2, "b", preamble + "    return", SamplingParams(temperature=0, max_tokens=10)),
+                (3, "c", "class Node:\n", SamplingParams(temperature=0.8, max_tokens=8, n=2, seed=1)),
+                (5, "d", preamble + "    for x in", SamplingParams(temperature=0, max_tokens=14))]
+    if not small:
+        arrivals += [(8, "e", "def close(self):\n", SamplingParams(temperature=0, max_tokens=16)),
+                     (10, "f", preamble + "    if not", SamplingParams(temperature=0, max_tokens=8))]
+    rec = _record(model, arrivals, {"scenario": "paged"}, block_size=4, num_gpu_blocks=24,
+                  max_num_seqs=4, max_num_batched_tokens=32)
+    return {"paged": (rec, None)}
+
+
+def scenario_speculative(model, small: bool) -> dict:
+    from minibatch.model.weights import load_model
+    draft = load_model("draft", device=model.device, dtype=model.dtype)
+    n = 2 if small else 4
+    # sampled at temperature 1, seeded: the draft is right often but not always, so the slivers show both
+    # accepted and rejected drafts (greedy on code accepts ~95 %); a 64-token budget keeps the bars readable
+    arrivals = [(0, f"s{i}", PROMPTS[i], SamplingParams(temperature=1.0, seed=i, max_tokens=12 if small else 32))
+                for i in range(n)]
+    rec = _record(model, arrivals, {"scenario": "speculative"}, draft=draft, block_size=8, num_gpu_blocks=40,
+                  max_num_seqs=4, max_num_batched_tokens=64,
+                  speculative_config={"method": "draft", "num_speculative_tokens": 3})
+    return {"speculative": (rec, None)}
+
+
+def summary_lines(name: str, traces: list) -> list:
+    """What a lecturer says over the animation, computed from the trace."""
+    from minibatch.viz.usage import summarize
+    s = summarize(traces)
+    seqs = {x.seq_id for t in traces for x in t.scheduled}
+    lines = [f"{name}: {len(seqs)} sequences in {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step, "
+             f"KV blocks {100 * s['kv_used_fraction']:.0f}% used on average"]
+    padding = sum(t.num_padding_slots for t in traces)
+    useful = sum(len(t.scheduled) for t in traces)
+    if padding:
+        lines.append(f"  static batching: {padding} slot-steps held by finished sequences "
+                     f"(occupancy {useful / (useful + padding):.0%})")
+    pre = sum(len(t.preempted) for t in traces)
+    if pre:
+        lines.append(f"  {pre} preemption(s): those sequences lost their blocks and recomputed them later")
+    last = traces[-1]
+    if last.prefix_cache_queries:
+        from minibatch.viz.common import evicted_blocks            # matplotlib-free: the text view uses it too
+        evicted = sum(len(evicted_blocks(traces, t.step)) for t in traces)
+        lines.append(f"  prefix cache: {last.prefix_cache_hits} of {last.prefix_cache_queries} full prompt "
+                     f"blocks reused; {evicted} cache entries evicted to make room")
+    if any(max(last.ref_counts or [0]) > 1 or max(t.ref_counts or [0]) > 1 for t in traces):
+        lines.append(f"  blocks shared (ref count > 1) at some step: "
+                     f"{sum(any(r > 1 for r in t.ref_counts) for t in traces)} steps")
+    prop = sum(x.proposed for t in traces for x in t.scheduled)
+    if prop:
+        acc = sum(x.accepted for t in traces for x in t.scheduled)
+        verify = [x for t in traces for x in t.scheduled if x.proposed]
+        emitted = sum(x.accepted + x.bonus for x in verify)
+        lines.append(f"  speculation: {acc}/{prop} draft tokens accepted (alpha = {acc / prop:.2f}), "
+                     f"{emitted / len(verify):.2f} tokens per target forward")
+    return lines
+
+
+def _write(name: str, rec: TraceRecorder, path: pathlib.Path, small: bool) -> list:
+    from minibatch.viz.anim import save
+    written = [path]
+    save(rec, path, max_frames=8 if small else 40, dpi=60 if small else 80)
+    trace_path = path.with_suffix(".json")
+    if trace_path != path:
+        rec.save(trace_path)
+        written.append(trace_path)
+    return written
+
+
+def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False) -> int:
+    path = pathlib.Path(out or f"demo-{pathlib.Path(scenario).stem}.gif")
+    if not text_only:                                  # a bad file name fails now, not after the run
+        from minibatch.viz.anim import SUFFIXES
+        if path.suffix.lower() not in SUFFIXES:
+            raise ValueError(f"cannot save {path.name!r}: choose a file ending in one of {', '.join(SUFFIXES)}")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot save {path}: the directory {path.parent} does not exist")
+        if path.suffix.lower() == ".mp4":
+            from minibatch.viz.anim import check_writer
+            check_writer(".mp4")
+    if scenario.endswith(".json"):                                          # replay: no model at all
+        if not pathlib.Path(scenario).is_file():
+            raise FileNotFoundError(f"no saved trace at {scenario}")
+        rec = TraceRecorder.load(scenario)
+        name = rec.meta.get("scenario", pathlib.Path(scenario).stem)
+        runs = {name: (rec, None)}
+    elif scenario not in SCENARIOS:
+        raise ValueError(f"unknown demo scenario {scenario!r}; choose one of {list(SCENARIOS)} "
+                         f"or the path of a saved trace (.json)")
+    else:
+        from minibatch.model.weights import load_model
+        model = load_model("target")
+        print(f"running the {scenario!r} demo on {model.device} ...")
+        if scenario in ("continuous", "static"):
+            runs = scenario_batching(model, small)
+            if scenario == "static":
+                runs = {"static": runs["static"]}
+        else:
+            runs = {"paged": scenario_paged, "speculative": scenario_speculative}[scenario](model, small)
+        name = scenario
+    for label, (rec, seconds) in runs.items():
+        if text_only:
+            from minibatch.viz.text import print_trace
+            print(f"=== {label} ===")
+            print_trace(rec)
+        for line in summary_lines(label, rec.traces):
+            print(line)
+    if "static" in runs and "continuous" in runs:
+        st, ct = runs["static"][0].traces, runs["continuous"][0].traces
+        print(f"continuous needs {len(ct)} steps where static needs {len(st)}: "
+              f"{len(st) / len(ct):.2f}x fewer iterations for the same tokens "
+              f"(throughput is measured by `python -m minibatch.bench batching`)")
+    if text_only:
+        return 0
+    rec = (runs.get("continuous") or next(iter(runs.values())))[0]   # the run to animate
+    written = _write(name, rec, path, small)
+    if "static" in runs and "continuous" in runs:
+        from minibatch.viz.anim import new_figure
+        from minibatch.viz.usage import draw_comparison
+        fig = new_figure(figsize=(14, 8.5), dpi=60 if small else 90)
+        draw_comparison(runs["static"][0], runs["continuous"][0], fig=fig)
+        comparison = path.with_name(path.stem + "-comparison.png")
+        fig.savefig(comparison)
+        written.append(comparison)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,175 @@
+"""Serving metrics: what a user feels (latency) and what the operator pays for (throughput, occupancy).
+
+Per request (``RequestMetrics``, filled by the engine with ``time.perf_counter`` seconds):
+
+    arrival ──queue──> first scheduled ──prefill──> first token ──decode──> finished
+    |<──────────── TTFT ────────────────────────────>|<── (n-1) x TPOT ──>|
+    |<──────────────────────────── e2e latency ──────────────────────────>|
+
+TTFT (time to first token) is dominated by queueing and prefill; TPOT (time
+per output token after the first) by how many other sequences share each
+decode step. Per run (``summarize``): throughput, latency percentiles, and,
+from the step traces, how well the batch and the KV cache were used:
+
+* occupancy: the share of the ``max_num_seqs`` batch slots doing useful work
+  in a step. A static batch keeps a slot for a finished member until the whole
+  batch is done (``trace.num_padding_slots``); continuous batching hands the
+  slot to the next request at once (Yu et al., Orca, 2022, Sec. 3);
+* KV usage: the share of blocks in use, (num_blocks - num_free_blocks) / num_blocks;
+* prefix-cache hit rate: full blocks reused / full blocks looked up;
+* speculative decoding: proposed, accepted, acceptance rate alpha, and tokens
+  per verify step beside what ``speculative.expected_tokens_per_step`` predicts at that alpha.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from minibatch.engine.outputs import RequestMetrics
+from minibatch.spec_decode.stats import SpecStats
+from minibatch.trace import StepTrace
+
+
+def percentiles(xs, ps=(50, 90, 99)) -> dict:
+    """{"p50": ..., "p90": ..., "p99": ...} of the numbers xs (linear interpolation, numpy's default).
+
+    An empty xs gives None for every percentile: there is nothing to report, which is not 0.
+    """
+    xs = list(xs)
+    if any(x is None for x in xs):
+        raise ValueError("percentiles got None values; leave out the requests that have no value")
+    if any(not 0 <= p <= 100 for p in ps):
+        raise ValueError(f"percentiles must lie in [0, 100], got {list(ps)}")
+    if not xs:
+        return {f"p{p:g}": None for p in ps}
+    vals = np.percentile(np.asarray(xs, dtype=float), list(ps))
+    return {f"p{p:g}": float(v) for p, v in zip(ps, vals)}
+
+
+def _mean(xs) -> Optional[float]:
+    xs = list(xs)
+    return float(np.mean(xs)) if xs else None
+
+
+def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[float] = None) -> dict:
+    """One flat dict per run: request counts, throughput, latency percentiles; batch and cache use from traces.
+
+    wall_time: the run's duration in seconds; if None, from the first arrival to the last finish.
+    """
+    metrics, traces = list(metrics), list(traces or [])
+    if any(not isinstance(m, RequestMetrics) for m in metrics):
+        raise TypeError("summarize needs a list of RequestMetrics")
+    if any(not isinstance(t, StepTrace) for t in traces):
+        raise TypeError("traces must be StepTrace objects (TraceRecorder.load gives them from JSON)")
+    if wall_time is not None and not wall_time > 0:
+        raise ValueError(f"wall_time must be > 0 seconds, got {wall_time}")
+    done = [m for m in metrics if m.finished_time is not None]
+    if wall_time is None and done:
+        wall_time = max(m.finished_time for m in done) - min(m.arrival_time for m in metrics)
+        wall_time = wall_time if wall_time > 0 else None
+    out_tokens = sum(m.num_output_tokens for m in metrics)
+    s = {"num_requests": len(metrics), "num_finished": len(done),
+         "prompt_tokens": sum(m.num_prompt_tokens for m in metrics), "output_tokens": out_tokens,
+         "cached_prompt_tokens": sum(m.num_cached_tokens for m in metrics), "wall_time": wall_time,
+         "output_tokens_per_s": out_tokens / wall_time if wall_time else None,
+         "requests_per_s": len(done) / wall_time if wall_time else None}
+    for name in ("ttft", "tpot", "e2e_latency", "queue_time"):
+        values = [getattr(m, name) for m in metrics]
+        short = name.split("_")[0]                                  # ttft, tpot, e2e, queue
+        for p, v in percentiles([v for v in values if v is not None]).items():
+            s[f"{short}_{p}"] = v
+    s["preemptions"] = sum(len(t.preempted) for t in traces) if traces else sum(m.num_preemptions for m in metrics)
+    if traces:
+        s.update(_from_traces(traces))
+    return s
+
+
+def _from_traces(traces: list) -> dict:
+    used = [(t.num_blocks - t.num_free_blocks) / t.num_blocks for t in traces]
+    last = traces[-1]
+    s = {"num_steps": len(traces),
+         # useful work: every scheduled sequence computes; padding slots (static) hold a slot and compute a thrown-away token
+         "mean_occupancy": _mean(len(t.scheduled) / t.max_num_seqs for t in traces),
+         "mean_padding_share": _mean(t.num_padding_slots / t.max_num_seqs for t in traces),
+         "mean_tokens_per_step": _mean(t.num_batched_tokens for t in traces),
+         "kv_usage_mean": _mean(used), "kv_usage_peak": max(used),
+         # hits and queries are cumulative over the run, so the last trace holds the totals
+         "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
+                                   if last.prefix_cache_queries else None)}
+    spec = SpecStats()
+    for t in traces:
+        for seq in t.scheduled:
+            if seq.proposed > 0:                  # a verify step: the accepted drafts plus one target token
+                spec.add(seq.proposed, seq.accepted, seq.accepted + 1)
+    if spec.proposed:
+        s.update(spec_proposed=spec.proposed, spec_accepted=spec.accepted, acceptance_rate=spec.acceptance_rate,
+                 tokens_per_verify_step=spec.mean_tokens_per_step,
+                 expected_tokens_per_verify_step=spec.expected_tokens_per_step)   # Leviathan's formula at this alpha
+    return s
+
+
+# -- a text table, one row per run --------------------------------------------------------------------------------
+
+LABELS = {"num_requests": "reqs", "output_tokens_per_s": "out tok/s", "requests_per_s": "req/s",
+          "ttft_p50": "TTFT p50", "ttft_p99": "TTFT p99", "tpot_p50": "TPOT p50", "tpot_p99": "TPOT p99",
+          "e2e_p50": "e2e p50", "e2e_p99": "e2e p99", "mean_occupancy": "occupancy",
+          "mean_tokens_per_step": "tok/step", "kv_usage_mean": "KV mean", "kv_usage_peak": "KV peak",
+          "prefix_cache_hit_rate": "hit rate", "preemptions": "preempt", "acceptance_rate": "alpha",
+          "tokens_per_verify_step": "tok/verify",
+          "expected_tokens_per_verify_step": "formula", "num_steps": "steps", "wall_time": "wall s"}
+DEFAULT_COLUMNS = ["num_requests", "wall_time", "output_tokens_per_s", "requests_per_s", "ttft_p50", "ttft_p99",
+                   "tpot_p50", "e2e_p50", "e2e_p99", "num_steps", "mean_occupancy", "mean_tokens_per_step",
+                   "kv_usage_mean", "kv_usage_peak", "prefix_cache_hit_rate", "preemptions", "acceptance_rate",
+                   "tokens_per_verify_step", "expected_tokens_per_verify_step"]
+
+
+def add_ratio_row(rows: dict, a: str, b: str) -> dict:
+    """rows plus a row "a/b" holding a's value over b's for every numeric column both have."""
+    for name in (a, b):
+        if name not in rows:
+            raise ValueError(f"no row {name!r} to take a ratio of; rows are {list(rows)}")
+    ratio = {}
+    for col, x in rows[a].items():
+        y = rows[b].get(col)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y != 0:
+            ratio[col] = x / y
+    return {**rows, f"{a}/{b}": ratio}
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: dict, columns: Optional[list] = None, ratio: Optional[tuple] = None) -> str:
+    """A fixed-width table: one line per run (e.g. "static", "continuous"), one column per metric.
+
+    columns: summary keys to show (default: DEFAULT_COLUMNS that any row has); ratio=(a, b) adds a row
+    "a/b" (see add_ratio_row). Missing values print as "-".
+    """
+    if not isinstance(rows, dict) or not rows or any(not isinstance(r, dict) for r in rows.values()):
+        raise ValueError("rows must be a non-empty dict: run name -> summary dict")
+    if ratio is not None:
+        rows = add_ratio_row(rows, *ratio)
+    if columns is None:
+        columns = [c for c in DEFAULT_COLUMNS if any(r.get(c) is not None for r in rows.values())]
+    unknown = [c for c in columns if all(c not in r for r in rows.values())]
+    if unknown:
+        raise ValueError(f"no row has column(s) {unknown}")
+    names = [str(n) for n in rows]
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows.values()]
+    headers = [LABELS.get(c, c) for c in columns]
+    w0 = max(len("run"), *(len(n) for n in names))
+    widths = [max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(headers)]
+    lines = ["  ".join(["run".ljust(w0)] + [h.rjust(w) for h, w in zip(headers, widths)])]
+    lines.append("-" * len(lines[0]))
+    for name, row in zip(names, cells):
+        lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""Synthetic serving workloads: named, seeded, reproducible lists of requests.
+
+A workload fixes what a benchmark compares on: prompts, how many tokens each
+request may generate (``max_tokens``), and when each arrives. What separates
+batching policies is the *spread* of output lengths: a static batch runs as
+long as its longest member, so a long tail of lengths wastes its slots, while
+continuous batching refills a slot the step it frees (Yu et al., Orca, 2022).
+
+Prompts are snippets of held-out standard-library code (``data.val_documents``,
+files the model never saw in training), cut at line boundaries. The model is
+byte-level, so a prompt's token count is ``len(prompt.encode())``. Every
+request satisfies prompt tokens + max_tokens <= max_len (the model's context).
+
+Randomness: one seed, split into independent streams for prompts, output
+lengths, arrivals and priorities, so e.g. switching "offline" to "poisson"
+changes the arrival times and nothing else.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from minibatch.model.data import val_documents
+from minibatch.engine.sampler import SamplingParams
+
+WORKLOADS = {
+    "uniform": "output lengths uniform in output_len = (lo, hi), default (16, 128): every request alike",
+    "longtail": "output lengths log-normal, median 32, sigma 1.2 (mean ~66, p90 ~150): many short, a few very long",
+    "shared-prefix": "every prompt = one fixed 118-byte preamble + its own snippet (prefix caching); "
+                     "output lengths as 'uniform'",
+}
+ARRIVALS = ("offline", "poisson")
+
+# A common header (licence line plus imports), the same bytes at the start of every "shared-prefix" prompt:
+# 118 bytes, so 7 full blocks of 16 tokens that the prefix cache can share.
+PREAMBLE = ("# Licensed under the PSF License Agreement; see LICENSE.\n"
+            "import os\nimport re\nimport sys\nfrom typing import Optional\n\n\n")
+
+_OPTIONS = {"uniform": {"output_len": (16, 128)},
+            "longtail": {"median": 32.0, "sigma": 1.2},
+            "shared-prefix": {"output_len": (16, 128), "preamble": PREAMBLE}}
+
+
+@dataclass
+class WorkloadRequest:
+    request_id: str
+    prompt: str
+    max_tokens: int
+    arrival_time: float               # seconds after the start of the run
+    priority: int = 0                 # lower = more important (vLLM's convention)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.encode("utf-8"))
+
+    def sampling_params(self, temperature: float = 0.0, seed=None, **kw) -> SamplingParams:
+        """The request's SamplingParams: its max_tokens, plus whatever else is asked for."""
+        return SamplingParams(temperature=temperature, seed=seed, max_tokens=self.max_tokens, **kw)
+
+
+@functools.lru_cache(maxsize=8)
+def _documents(min_len: int) -> tuple:
+    """Every held-out file of at least min_len bytes (val_documents in its own sorted order)."""
+    return tuple(val_documents(10 ** 9, min_len=min_len, seed=0))
+
+
+def _snippet(docs, lo: int, hi: int, length: int, rng: np.random.Generator) -> str:
+    """lo..hi bytes of code (as near ``length`` as line breaks allow) from a line start to after a newline.
+
+    A cut just after a newline is a valid UTF-8 boundary (0x0A never occurs inside a multibyte character).
+    Tries a few random places; when no line break falls in [lo, hi] (a narrow range), cuts mid-line at
+    ``length``, moved to the nearest character boundary.
+    """
+    for _ in range(32):
+        doc = docs[rng.integers(len(docs))]
+        start = doc.rfind(b"\n", 0, int(rng.integers(len(doc) - hi + 1))) + 1   # a line start
+        window = doc[start:start + hi]
+        cuts = [i + 1 for i, byte in enumerate(window) if byte == 0x0A and lo <= i + 1]
+        cuts = [c for c in cuts if window[:c].strip()]                          # not just blank lines
+        if cuts:
+            return window[:min(cuts, key=lambda c: abs(c - length))].decode("utf-8")
+    cut = length                                   # window[cut] is the first byte left out:
+    while cut > lo and window[cut:cut + 1] and window[cut] & 0xC0 == 0x80:     # a continuation byte
+        cut -= 1
+    while cut < hi and window[cut:cut + 1] and window[cut] & 0xC0 == 0x80:
+        cut += 1
+    return window[:cut].decode("utf-8", errors="ignore")
+
+
+def _output_lengths(name, n, rng, opts) -> np.ndarray:
+    if name == "longtail":
+        # log-normal: median = exp(mu) = `median`, mean = median * exp(sigma^2 / 2)
+        return np.maximum(1, np.rint(rng.lognormal(np.log(opts["median"]), opts["sigma"], size=n))).astype(int)
+    lo, hi = opts["output_len"]
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValueError(f"output_len must be integers 1 <= lo <= hi, got {opts['output_len']}")
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def make_workload(name: str = "longtail", num_requests: int = 64, seed: int = 0, arrival: str = "offline",
+                  rate: float | None = None, prompt_len=(32, 192), max_len: int = 512, num_priorities: int = 1,
+                  **kw) -> list[WorkloadRequest]:
+    """``num_requests`` requests of workload ``name`` (see WORKLOADS), the same list for the same arguments.
+
+    prompt_len = (lo, hi): prompt bytes drawn uniformly from it (for "shared-prefix", the snippet after
+    the preamble); arrival "offline" = everyone at t = 0, "poisson" = exponential gaps of mean 1/rate s;
+    num_priorities > 1 draws priorities uniformly from 0..num_priorities-1. Workload options in **kw:
+    uniform/shared-prefix: output_len=(lo, hi); longtail: median, sigma; shared-prefix: preamble.
+    Every max_tokens is capped so that prompt tokens + max_tokens <= max_len.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {list(WORKLOADS)}")
+    unknown = set(kw) - set(_OPTIONS[name])
+    if unknown:
+        raise TypeError(f"workload {name!r} has no option(s) {sorted(unknown)}; it takes {sorted(_OPTIONS[name])}")
+    opts = {**_OPTIONS[name], **kw}
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    if arrival == "poisson" and not (rate is not None and rate > 0):
+        raise ValueError(f"Poisson arrivals need a rate > 0 (requests per second), got {rate!r}")
+    if arrival == "offline" and rate is not None:
+        raise ValueError("rate only applies to arrival='poisson'; offline requests all arrive at t = 0")
+    if not isinstance(num_priorities, int) or num_priorities < 1:
+        raise ValueError(f"num_priorities must be an integer >= 1, got {num_priorities!r}")
+    preamble = opts.get("preamble", "")
+    if not isinstance(preamble, str):
+        raise TypeError(f"preamble must be a str, got {type(preamble).__name__}")
+    lo, hi = prompt_len
+    fixed = len(preamble.encode("utf-8"))
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi and fixed + hi < max_len):
+        raise ValueError(f"prompt_len must be integers 1 <= lo <= hi with preamble ({fixed} bytes) + hi < "
+                         f"max_len = {max_len} (room for at least one output token), got {prompt_len}")
+    if name == "longtail" and not (opts["median"] >= 1 and opts["sigma"] > 0):
+        raise ValueError(f"longtail needs median >= 1 and sigma > 0, got {opts['median']}, {opts['sigma']}")
+
+    r_prompt, r_len, r_arrival, r_prio = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
+    docs = _documents(max(2 * hi, 256))
+    prompts = [preamble + _snippet(docs, lo, hi, int(r_prompt.integers(lo, hi + 1)), r_prompt) for _ in range(num_requests)]
+    wanted = _output_lengths(name, num_requests, r_len, opts)
+    if arrival == "offline":
+        arrivals = np.zeros(num_requests)
+    else:
+        arrivals = np.cumsum(r_arrival.exponential(1.0 / rate, size=num_requests))
+    priorities = r_prio.integers(num_priorities, size=num_requests)
+    return [WorkloadRequest(f"r{i}", p, int(min(w, max_len - len(p.encode("utf-8")))), float(t), int(pr))
+            for i, (p, w, t, pr) in enumerate(zip(prompts, wanted, arrivals, priorities))]
+
+
+def _stats(xs) -> str:
+    xs = np.asarray(xs, dtype=float)
+    p50, p90 = np.percentile(xs, [50, 90])
+    return f"mean {xs.mean():.1f}, p50 {p50:.0f}, p90 {p90:.0f}, max {xs.max():.0f}"
+
+
+def describe(workload: list[WorkloadRequest]) -> str:
+    """One paragraph: how many requests, when they arrive, prompt and output length statistics."""
+    if not workload:
+        return "empty workload: no requests."
+    n = len(workload)
+    arrivals = sorted(r.arrival_time for r in workload)
+    if arrivals[-1] == 0:
+        when = "all arriving at t = 0 (offline)"
+    else:
+        when = f"arriving over {arrivals[-1]:.2f} s (mean rate {n / arrivals[-1]:.2f} requests/s)"
+    prompt = [r.num_prompt_tokens for r in workload]
+    out = [r.max_tokens for r in workload]
+    prios = sorted({r.priority for r in workload})
+    return (f"{n} requests, {when}; prompt tokens: {_stats(prompt)}; output tokens (max_tokens): {_stats(out)}; "
+            f"{sum(prompt) + sum(out)} tokens in all" + (f"; priorities {prios}." if len(prios) > 1 else "."))

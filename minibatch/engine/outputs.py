@@ -1,0 +1,71 @@
+"""What the engine reports back: vLLM's ``RequestOutput`` / ``CompletionOutput``, and per-request timings.
+
+Per request (``RequestMetrics``, filled by the engine with ``time.perf_counter`` seconds):
+
+    arrival ──queue──> first scheduled ──prefill──> first token ──decode──> finished
+    |<──────────── TTFT ────────────────────────────>|<── (n-1) x TPOT ──>|
+    |<──────────────────────────── e2e latency ──────────────────────────>|
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from minibatch.model.tokenizer import decode
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0           # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Arrival to first scheduled (None until then)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token: arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        """Arrival to finished."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Time per output token after the first: (finished - first token) / (n - 1); None if n < 2."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    finish_reason: Optional[str] = None     # "length", "stop", "abort"; None while running
+    spec: Optional[dict] = None             # speculative statistics of this sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list
+    outputs: list                           # [CompletionOutput], one per sample
+    finished: bool
+    metrics: RequestMetrics
+
+
+def completion_of(seq: Sequence, spec: Optional[dict] = None) -> CompletionOutput:
+    return CompletionOutput(seq.index, decode(seq.output_ids), list(seq.output_ids), seq.finish_reason, spec)

@@ -1,0 +1,57 @@
+"""Prompt lookup decoding (Saxena, 2023; vLLM's ``ngram`` method): a proposer without a model.
+
+Guess that the text repeats itself: find the last n tokens earlier in the sequence's own context and
+propose what followed them. No model, no probabilities (q is one-hot), so its cost is a string search.
+"""
+from __future__ import annotations
+
+from minibatch.spec_decode.proposer import decode_ready, proposal_budget
+
+
+def check_ngram_sizes(n_min: int, n_max: int) -> None:
+    if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
+        raise ValueError(f"need integers 1 <= n_min <= n_max, got n_min={n_min!r}, n_max={n_max!r}")
+
+
+def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
+    """Prompt lookup decoding (Saxena, 2023; vLLM's ``ngram`` method): guess that the text repeats itself.
+
+    For n = n_max down to n_min: take the last n tokens, find their most recent *earlier* occurrence in the
+    sequence's own context (prompt + output so far; the trailing n-gram itself does not count) and propose
+    the up to k tokens that followed it (fewer when the context ends first). Longer matches are tried
+    first because they predict better. [] if no n-gram matches. Code repeats a lot (names, indentation,
+    ``self.``), which is why this free guess is often right.
+    """
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+    check_ngram_sizes(n_min, n_max)
+    tokens = list(token_ids)
+    L = len(tokens)
+    if k == 0:
+        return []
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        pattern = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):            # most recent first; L - n would be the pattern itself
+            if tokens[start:start + n] == pattern:
+                return tokens[start + n:start + n + k]     # at least one token follows, since start < L - n
+    return []
+
+
+class NgramProposer:
+    def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
+        check_ngram_sizes(n_min, n_max)                    # now, not at the first step
+        self.k, self.n_max, self.n_min = k, n_max, n_min
+
+    def propose_for(self, running) -> None:
+        for seq in running:
+            if decode_ready(seq):
+                seq.spec_token_ids = ngram_propose(seq.token_ids, proposal_budget(seq, self.k), self.n_max, self.n_min)
+
+    def draft_probs(self, seqs, k):
+        return None                                        # one-hot drafts
+
+    def on_verified(self, seq, num_valid: int) -> None:
+        pass
+
+    def free(self, seq) -> None:
+        pass

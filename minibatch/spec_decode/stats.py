@@ -1,0 +1,104 @@
+"""What to expect from speculation, and what a run measured: alpha, tau, the expected-speed-up formulas."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# -- what to expect: Leviathan et al., 2023, Sec. 3.1 and 3.3 -----------------------------------------------------
+
+def _check_alpha_k(alpha: float, k: int) -> None:
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"acceptance rate alpha must lie in [0, 1], got {alpha}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Expected tokens one verify step emits: (1 - alpha^(k+1)) / (1 - alpha), and k + 1 at alpha = 1.
+
+    Derivation (Leviathan et al., Eq. 1), assuming each draft is accepted independently with probability
+    alpha: the step emits at least 1 token (the replacement or bonus); it emits more than j tokens exactly
+    when the first j drafts are all accepted, probability alpha^j. So
+        E[tokens] = sum_{j=0..k} P(tokens > j) = sum_{j=0..k} alpha^j = (1 - alpha^(k+1)) / (1 - alpha).
+    Computed as the sum, which needs no special case at alpha = 1 and loses no precision near it.
+    """
+    _check_alpha_k(alpha, k)
+    return float(sum(alpha ** j for j in range(k + 1)))
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected wall-time speedup over plain decoding: (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)).
+
+    Leviathan et al., Theorem 3.8. Measure time in target forwards: one step costs k draft forwards of
+    c each (c = draft cost / target cost) plus one target forward, k c + 1 in all, and emits
+    E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) tokens; plain decoding emits 1 token per 1 forward. The
+    ratio of tokens per unit time is the speedup. It assumes verifying k + 1 tokens costs the same as
+    decoding 1 (true while decode is memory-bound), so it is an upper bound when the batch is large.
+    """
+    _check_alpha_k(alpha, k)
+    if not c >= 0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    return expected_tokens_per_step(alpha, k) / (k * c + 1)
+
+
+# -- counters ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters for one request (or, merged, a run)."""
+    proposed: int = 0        # draft tokens verified
+    accepted: int = 0        # ... of which the target kept
+    num_steps: int = 0       # target forwards that verified drafts
+    emitted: int = 0         # tokens those steps appended (accepted + one replacement or bonus each)
+    steps_by_k: dict = field(default_factory=dict)   # {k: verify steps that checked k drafts}; k shrinks near the end
+
+    def add(self, proposed: int, accepted: int, emitted: int) -> "SpecStats":
+        """Count one verify step."""
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted}, proposed={proposed}")
+        if emitted < 0:
+            raise ValueError(f"emitted must be >= 0, got {emitted}")
+        self.proposed += proposed
+        self.accepted += accepted
+        self.num_steps += 1
+        self.emitted += emitted
+        self.steps_by_k[proposed] = self.steps_by_k.get(proposed, 0) + 1
+        return self
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """Add another request's counters into these (in place; returns self)."""
+        if not isinstance(other, SpecStats):
+            raise TypeError(f"can only merge SpecStats, got {type(other).__name__}")
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.num_steps += other.num_steps
+        self.emitted += other.emitted
+        for k, n in other.steps_by_k.items():
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
+        return self
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted / proposed (0.0 before anything was proposed)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens per verify step: compare with expected_tokens_per_step(alpha, k). 0.0 before any step."""
+        return self.emitted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def expected_tokens_per_step(self) -> float:
+        """The theory beside the measurement: expected_tokens_per_step(alpha, k) at the measured alpha, averaged
+        over the steps' own k (drafts are cut short near max_tokens). It assumes acceptances independent of
+        each other; measured above it means they come in runs (a predictable stretch accepts all its drafts)."""
+        if not self.num_steps:
+            return 0.0
+        alpha = self.acceptance_rate
+        return sum(n * expected_tokens_per_step(alpha, k) for k, n in self.steps_by_k.items()) / self.num_steps
+
+    def to_dict(self) -> dict:
+        counters = {name: getattr(self, name) for name in ("proposed", "accepted", "num_steps", "emitted")}
+        return {**counters, "acceptance_rate": self.acceptance_rate,
+                "mean_tokens_per_step": self.mean_tokens_per_step,
+                "expected_tokens_per_step": self.expected_tokens_per_step}

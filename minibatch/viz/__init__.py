@@ -1,0 +1,55 @@
+"""Seeing the engine work: renderers, animations, widgets and a text view of step traces.
+
+Everything here reads ``StepTrace`` data only (``minibatch.trace``): record a
+run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
+
+    draw_step(rec, step)          the dashboard of one step (what a slide shows)
+    draw_timeline(rec)            batch membership: steps x sequences, cells by phase
+    draw_blocks(rec, step)        the physical block pool + every sequence's block table
+    draw_kv_usage(rec)            used / cached-free / free blocks over steps
+    draw_throughput(rec)          tokens per step against the token budget
+    draw_comparison(a, b)         two runs of one workload side by side (static vs continuous)
+    animate(rec) / save(rec, "run.gif" | ".html" | ".mp4" | ".png")
+    step_through(rec)             Jupyter: Play / slider / Prev / Next
+    live(engine)                  Jupyter: one engine.step() per click
+    text_view(trace), print_trace(rec)   no graphics at all
+
+A saved trace (``rec.save("run.json")``) replays anywhere without a model:
+every function also takes the path of such a file. Each renderer draws on an
+Axes you pass (or a new figure) and returns a dict of what it drew, so tests
+and notebooks can check it. The rooms, one idea each:
+
+    common     colours (Okabe–Ito phases, Tol sequence colours), seq_color, input checks
+    blocks     block pool and block tables          timeline   batch membership
+    usage      occupancy, throughput, comparison    dashboard  draw_step
+    anim       animate, save                        widget     step_through, live
+    text       text_view, print_trace
+"""
+# name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text)
+# load without matplotlib and `import minibatch.viz` stays cheap.
+_WHERE = {
+    **dict.fromkeys(['WriterUnavailableError', 'animate', 'busiest_step', 'frame_steps', 'save', 'to_html'], 'anim'),
+    **dict.fromkeys(['block_owners', 'block_state', 'draw_block_tables', 'draw_blocks'], 'blocks'),
+    **dict.fromkeys(['PHASE_COLORS', 'PHASE_LABELS', 'SEQ_PALETTE', 'TraceError', 'as_traces', 'evicted_blocks', 'seq_color', 'seq_order'], 'common'),
+    **dict.fromkeys(['draw_step', 'step_title'], 'dashboard'),
+    **dict.fromkeys(['print_trace', 'text_view'], 'text'),
+    **dict.fromkeys(['draw_timeline', 'speculation', 'timeline_cells'], 'timeline'),
+    **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
+    **dict.fromkeys(['live', 'step_through'], 'widget'),
+}
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'minibatch.viz' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"minibatch.viz.{_WHERE[name]}"), name)
+
+
+__all__ = [
+    "draw_step", "draw_timeline", "draw_blocks", "draw_block_tables", "draw_kv_usage", "draw_throughput",
+    "draw_comparison", "animate", "save", "to_html", "step_through", "live", "text_view", "print_trace",
+    "seq_color", "seq_order", "timeline_cells", "speculation", "block_owners", "block_state", "evicted_blocks",
+    "kv_usage", "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
+    "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "TraceError", "WriterUnavailableError",
+]

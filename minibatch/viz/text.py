@@ -1,0 +1,69 @@
+"""The terminal view: one step as a few lines of text, for SSH sessions and CI logs.
+
+    step 2 · continuous · 12/12 tokens · 4/5 seqs · blocks: 9 used, 0 cached-free, 1 free of 10 (x4 tokens)
+      A    decode     4 tok  kv 7->10   out 5   spec 2/3 accepted
+      B    decode     1 tok  kv 9->10   out 2
+      ...
+      admitted: D.0 · preempted: - · finished: -
+      waiting: E · running, not scheduled: D.1
+
+"kv a->b" is the sequence's cached tokens before and after the step (rejected
+draft tokens rolled back); "out" counts its generated tokens so far. No
+matplotlib here: this module works wherever Python does.
+"""
+from __future__ import annotations
+
+import sys
+
+from minibatch.trace import StepTrace
+from minibatch.viz.common import as_traces
+
+
+def _names(ids) -> str:
+    return ", ".join(ids) if ids else "-"
+
+
+def text_view(trace: StepTrace) -> str:
+    """A compact text rendering of one StepTrace."""
+    if not isinstance(trace, StepTrace):
+        raise TypeError(f"text_view takes one StepTrace, got {type(trace).__name__}; "
+                        "use print_trace(traces) for a whole run")
+    t = trace
+    cached_free = sum(t.ref_counts[b] == 0 for b in t.cached_blocks)
+    used = t.num_blocks - t.num_free_blocks
+    lines = [f"step {t.step} · {t.scheduling} · {t.num_batched_tokens}/{t.token_budget} tokens · "
+             f"{len(t.scheduled)}/{t.max_num_seqs} seqs · blocks: {used} used, {cached_free} cached-free, "
+             f"{t.num_free_blocks - cached_free} free of {t.num_blocks} (x{t.block_size} tokens)"]
+    width = max([len(s.seq_id) for s in t.scheduled] + [3])
+    for s in t.scheduled:
+        after = s.num_computed_before + s.num_tokens - (s.proposed - s.accepted)
+        kv = f"{s.num_computed_before}->{after}"
+        line = f"  {s.seq_id:<{width}} {s.phase:<8} {s.num_tokens:>4} tok  kv {kv:<9} out {s.num_output_tokens}"
+        if s.proposed:
+            line += f"   spec {s.accepted}/{s.proposed} accepted" + (" + bonus" if s.bonus else "")
+        if s.seq_id in t.finished:
+            line += "   finished"
+        lines.append(line.rstrip())
+    lines.append(f"  admitted: {_names(t.admitted)} · preempted: {_names(t.preempted)} · "
+                 f"finished: {_names(t.finished)}")
+    scheduled = {s.seq_id for s in t.scheduled}
+    idle = [sid for sid in t.running if sid not in scheduled]
+    tail = f"  waiting: {_names(t.waiting)}"
+    if idle:
+        tail += f" · running, not scheduled: {_names(idle)}"
+    if t.num_padding_slots:
+        tail += f" · padding slots: {t.num_padding_slots}"
+    if t.prefix_cache_queries:
+        tail += f" · prefix cache: {t.prefix_cache_hits}/{t.prefix_cache_queries} blocks hit"
+    lines.append(tail)
+    if t.note:
+        lines.append(f"  note: {t.note}")
+    return "\n".join(lines)
+
+
+def print_trace(traces, file=None) -> None:
+    """Print text_view of every step (``traces``: a list, a TraceRecorder or a saved file)."""
+    file = file or sys.stdout
+    for t in as_traces(traces):
+        print(text_view(t), file=file)
+        print(file=file)

@@ -1,0 +1,181 @@
+"""The batch membership timeline: who was in the batch at every iteration.
+
+Iteration-level scheduling (Orca, Yu et al., OSDI'22, §3.1) is easiest to see
+as a grid: engine steps on x, sequences on y, one cell per (sequence, step)
+coloured by what the sequence did in that step:
+
+    waiting -> prefill chunk(s) -> decode, decode, ... -> finished
+                    |-> preempted -> waiting -> resumed (recompute) -> decode ...
+
+Static batching shows its waste as **padding** cells: a finished member keeps
+its batch slot until the whole batch is done, and nobody is admitted
+meanwhile. A speculative decode cell is split into k+1 slivers: the accepted
+draft tokens, the rejected ones (empty), and the token the target model adds
+(the bonus token when all k were accepted, else the correction).
+
+Every cell is derived from the trace lists alone (``scheduled``, ``preempted``,
+``waiting``, ``running``, ``finished``, ``admitted``), see ``timeline_cells``.
+"""
+from __future__ import annotations
+
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import MaxNLocator
+
+from minibatch.viz.common import (FONT_SIZE, PHASE_COLORS, PHASE_LABELS, SMALL_FONT, SPEC_REJECTED_COLOR, as_traces,
+                         new_axes, seq_color, seq_order, short_label, text_color_on)
+
+SPEC_TARGET_COLOR = "#00573F"     # the target model's own token in a speculative step (darker decode green)
+
+
+def timeline_cells(traces) -> dict:
+    """{(seq id, step): phase} for every sequence from its first appearance on.
+
+    Precedence in one step: scheduled phase > preempted > waiting > running but
+    not scheduled ("forked" the step a parallel-sampling child appears, else
+    "stalled") > gone after finishing ("padding" while a static batch still
+    holds its slot, else "finished").
+    """
+    traces = as_traces(traces)
+    cells, known, done = {}, [], {}            # done: seq id -> step it finished (or vanished)
+    batch_formed_after = {}                    # static: seq id -> a batch was formed after it finished
+    for t in traces:
+        sched = {s.seq_id: s.phase for s in t.scheduled}
+        new = []
+        for sid in list(sched) + list(t.preempted) + list(t.running) + list(t.waiting):
+            if sid not in known:
+                known.append(sid)
+                new.append(sid)
+        if t.admitted:                         # static: a new batch frees every padding slot
+            for sid in done:
+                batch_formed_after[sid] = True
+        preempted, waiting, running = set(t.preempted), set(t.waiting), set(t.running)
+        admitted = set(t.admitted)             # admitted but given no tokens this step: "stalled", not a fork
+        for sid in known:
+            if sid in sched:                       # (may also be preempted: see preempted_cells)
+                phase = sched[sid]
+            elif sid in preempted:
+                phase = "preempted"
+            elif sid in waiting:
+                phase = "waiting"
+            elif sid in running:                   # born running, not admitted: a fork sharing its parent's
+                phase = "forked" if sid in new and sid not in admitted else "stalled"   # blocks
+            elif sid in done:
+                static_slot = t.scheduling == "static" and not batch_formed_after.get(sid)
+                phase = "padding" if static_slot else "finished"
+            else:                              # left without a "finished" entry (aborted): gone too
+                done[sid] = t.step
+                phase = "finished"
+            cells[(sid, t.step)] = phase
+        for sid in t.finished:
+            done.setdefault(sid, t.step)
+    return cells
+
+
+def preempted_cells(traces) -> set:
+    """{(seq id, step)} of every preemption. A sequence can be preempted and
+    readmitted in one step (its freed blocks still in the prefix cache): its
+    cell then shows the phase it ran with a preempted sliver in front."""
+    return {(sid, t.step) for t in as_traces(traces) for sid in t.preempted}
+
+
+def speculation(traces) -> dict:
+    """{(seq id, step): (accepted, proposed, bonus)} for every speculative decode."""
+    return {(s.seq_id, t.step): (s.accepted, s.proposed, s.bonus)
+            for t in as_traces(traces) for s in t.scheduled if s.proposed > 0}
+
+
+def _spec_slivers(ax, left, bottom, width, height, accepted, proposed):
+    """k+1 vertical slivers: accepted drafts, rejected drafts, then the target's token."""
+    w = width / (proposed + 1)
+    colors = [PHASE_COLORS["decode"]] * accepted + [SPEC_REJECTED_COLOR] * (proposed - accepted) + [SPEC_TARGET_COLOR]
+    return [ax.add_patch(Rectangle((left + i * w, bottom), w, height, facecolor=c,
+                                   edgecolor=PHASE_COLORS["decode"], linewidth=0.6))
+            for i, c in enumerate(colors)]
+
+
+def legend_handles(cells: dict, spec: dict, preempted=()) -> list:
+    """Legend entries for the phases that occur (in PHASE_COLORS order), plus speculation. ``preempted``
+    (preempted_cells): a preemption drawn only as a sliver (readmitted in the same step) still gets its entry."""
+    phases = set(cells.values()) | ({"preempted"} if set(preempted) & set(cells) else set())
+    present = [p for p in PHASE_COLORS if p in phases]
+    handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="#CCCCCC" if p == "finished" else "none",
+                     hatch="//" if p == "padding" else None, label=PHASE_LABELS[p]) for p in present]
+    if spec:
+        handles += [Patch(facecolor=SPEC_REJECTED_COLOR, edgecolor=PHASE_COLORS["decode"], label="rejected draft"),
+                    Patch(facecolor=SPEC_TARGET_COLOR, label="target's token")]
+    return handles
+
+
+def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order=None) -> dict:
+    """Draw the membership timeline; cells only through step ``upto`` (an animation
+    does not show the future), the x range always covers the whole run; the
+    column of step ``highlight`` is framed. ``order`` (a seq_order dict) fixes
+    rows and colours, e.g. to share them between two runs.
+
+    Returns {"ax", "rows": [seq ids, top to bottom], "cells": {(seq, step): phase},
+             "patches": {(seq, step): [Rectangle]}, "spec": {...}, "highlight": step or None}.
+    """
+    traces = as_traces(traces)
+    ax = new_axes(ax, (13, 5))
+    steps = [t.step for t in traces]
+    for name, value in (("upto", upto), ("highlight", highlight)):
+        if value is not None and value not in steps:
+            raise ValueError(f"{name}={value} is not a step of the trace (steps {steps[0]}..{steps[-1]})")
+    order = order or seq_order(traces)
+    all_cells = timeline_cells(traces)
+    rows = sorted({sid for sid, _ in all_cells}, key=order.get)
+    y_of = {sid: i for i, sid in enumerate(rows)}
+    spec = speculation(traces)
+    # "2/3" goes above a speculative cell, in room made by shorter cells; only while it fits
+    annotate = bool(spec) and len(steps) <= 40
+    top, height = (-0.22, 0.62) if annotate else (-0.4, 0.8)
+    preempted = preempted_cells(traces)
+    cells, patches = {}, {}
+    for (sid, step), phase in all_cells.items():
+        if upto is not None and step > upto:
+            continue
+        cells[(sid, step)] = phase
+        x, y = step, y_of[sid]
+        left, width, drawn = x - 0.45, 0.9, []
+        if (sid, step) in preempted and phase != "preempted":       # preempted, then ran again
+            drawn.append(ax.add_patch(Rectangle((left, y + top), 0.3, height,
+                                                facecolor=PHASE_COLORS["preempted"], edgecolor="none")))
+            left, width = left + 0.3, width - 0.3
+        if (sid, step) in spec and phase == "decode":
+            accepted, proposed, _ = spec[(sid, step)]
+            drawn += _spec_slivers(ax, left, y + top, width, height, accepted, proposed)
+            if annotate:
+                ax.text(x, y + top - 0.02, f"{accepted}/{proposed}", ha="center", va="bottom",
+                        fontsize=SMALL_FONT)
+        else:
+            drawn.append(ax.add_patch(Rectangle(
+                (left, y + top), width, height, facecolor=PHASE_COLORS[phase],
+                edgecolor="#CCCCCC" if phase == "finished" else "none",
+                hatch="//" if phase == "padding" else None)))
+        patches[(sid, step)] = drawn
+    frame = None
+    if highlight is not None:
+        frame = ax.add_patch(Rectangle((highlight - 0.5, -0.9), 1.0, len(rows) + 0.45, fill=False,
+                                       edgecolor="black", linewidth=2.5, zorder=5))
+    ax.set_xlim(steps[0] - 0.6, steps[-1] + 0.6)
+    ax.set_ylim(len(rows) - 0.4, -0.95)
+    # y labels carry the sequence's identity colour, the one the block views use
+    label_every = max(1, len(rows) // 24)
+    ax.set_yticks(range(0, len(rows), label_every), [short_label(r) for r in rows[::label_every]],
+                  fontsize=SMALL_FONT)
+    for label, sid in zip(ax.get_yticklabels(), rows[::label_every]):
+        color = seq_color(sid, order)
+        label.set_bbox(dict(facecolor=color, edgecolor="none", pad=1.5))
+        label.set_color(text_color_on(color))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
+    ax.tick_params(labelsize=SMALL_FONT, length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel("iteration (engine step)", fontsize=FONT_SIZE)
+    ax.set_title(f"batch membership ({traces[0].scheduling} batching)", fontsize=FONT_SIZE, loc="left")
+    handles = legend_handles(all_cells, spec, preempted)
+    if legend:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=SMALL_FONT,
+                  frameon=False, borderaxespad=0.3)
+    return {"ax": ax, "rows": rows, "cells": cells, "patches": patches, "spec": spec,
+            "highlight": highlight, "highlight_artist": frame, "legend": handles}
