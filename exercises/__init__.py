@@ -35,12 +35,17 @@ class Piece:
     func: str          # the function to write
     module: str        # where the reference lives
     title: str         # for the grade table
+    ref_func: str = ""  # the reference's name, where it differs from func
+
+    @property
+    def reference_name(self) -> str:
+        return self.ref_func or self.func
 
 
 PIECES = {p.name: p for p in (
     Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv.kv_cache", "slot mapping"),
-    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.attention",
-          "paged attention"),
+    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends",
+          "paged attention", ref_func="paged_attention_loop"),
     Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.engine.sampler", "top-k / top-p"),
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
           "rejection sampler"),
@@ -53,9 +58,10 @@ BY_PART = {p.part: p for p in PIECES.values()}
 # so patching minibatch.kv.kv_cache alone would not reach the call in AttentionMetadata.build).
 CALL_SITES = {
     "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.attention", "_slot_mapping")],
-    "paged_attention": [("minibatch.kv.attention", "paged_attention_torch")],   # the "torch" backend
+    "paged_attention": [("minibatch.kv.backends", "paged_attention_loop"), ("minibatch.kv.backends", "_loop")],
+                                                                                   # the "loop" backend
     "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
-    "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.engine", "rejection_sample")],
+    "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
 }
 
@@ -95,7 +101,7 @@ def reference(name: str):
     p = piece(name)
     if p.name in _ORIGINALS:
         return _ORIGINALS[p.name]
-    return getattr(importlib.import_module(p.module), p.func)
+    return getattr(importlib.import_module(p.module), p.reference_name)
 
 
 def student(name: str):
@@ -152,7 +158,7 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
 
     Rebinds each call site in CALL_SITES, and any other loaded minibatch module attribute
     that still holds the reference function (a ``from .x import f`` we did not list).
-    Attention: the student's paged attention runs only with ``attention_backend="torch"``.
+    Attention: the student's paged attention runs only with ``attention_backend="loop"``.
     """
     patch = EnginePatch()
     for name in sorted(selected(spec)):

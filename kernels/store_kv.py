@@ -126,6 +126,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     (strided views are fine); slot_mapping: [T] int32/int64, -1 = skip the token.
     """
     _check_store_inputs(key, value, key_cache, value_cache, slot_mapping)
+    launch_store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def launch_store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Launch the kernel on already-checked inputs (the engine checks its metadata once per step)."""
     T, num_kv_heads, head_dim = key.shape
     if T == 0:
         return

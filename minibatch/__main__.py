@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--preset", default="target")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    g.add_argument("--backend", default="torch", help="attention backend: dense, torch or triton")
+    g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
     g.add_argument("--speculative", choices=["draft", "ngram"], default=None)
     g.add_argument("-k", type=int, default=3, help="speculative tokens per step")
     d = sub.add_parser("demo", help="lecture demos: continuous, paged, speculative")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -34,8 +35,9 @@ class SeqStep:
     num_output_tokens: int          # after this step
     priority: int = 0
     proposed: int = 0               # speculative decoding: draft tokens verified this step
-    accepted: int = 0               # ... of which accepted
-    bonus: int = 0                  # 1 if a bonus / correction token was added (decode steps)
+    accepted: int = 0               # ... of which accepted; a verify step then emits accepted + 1 tokens:
+    bonus: int = 0                  # 1 if every draft was accepted, so the +1 is a bonus token from the
+                                    # target's next position; 0 with proposed > 0: it is a correction token
     new_token_ids: list = field(default_factory=list)   # tokens appended this step (may be empty mid-prefill)
 
 
@@ -63,6 +65,8 @@ class StepTrace:
     num_padding_slots: int = 0      # static batching: batch slots held by finished sequences
     prefix_cache_hits: int = 0      # cumulative blocks reused from the prefix cache
     prefix_cache_queries: int = 0   # cumulative full blocks looked up
+    speculative_method: Optional[str] = None   # the proposer ("draft", "ngram", ...), None without speculation
+    num_speculative_tokens: int = 0            # its k
     note: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -98,3 +102,29 @@ class TraceRecorder:
         if data.get("format") != "minibatch-trace/1":
             raise ValueError(f"{path}: not a minibatch trace (format {data.get('format')!r})")
         return cls([StepTrace.from_dict(t) for t in data["traces"]], data.get("meta"))
+
+
+def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
+    """The trace of the step just taken, from the scheduler's output, the runner's and the state after."""
+    a, sched = engine.allocator, engine.scheduler
+    steps = []
+    for s, toks, acc in zip(out.scheduled, runner_output.sampled_token_ids, runner_output.num_accepted):
+        k = len(s.spec_token_ids)
+        steps.append(SeqStep(s.seq.seq_id, s.seq.request_id, s.phase, s.num_new_tokens, s.num_computed_before,
+                             s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
+                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks)))
+    live = [s for s in sched.running if a.has_seq(s.seq_id)]
+    spec = engine.config.speculative_config or {}
+    return StepTrace(
+        step=engine.step_count, time=t_start - engine.t0, duration=time.perf_counter() - t_start,
+        scheduling=engine.config.scheduling, scheduled=steps,
+        admitted=[s.seq_id for s in out.admitted], preempted=[s.seq_id for s in out.preempted],
+        finished=[s.seq.seq_id for s in out.scheduled if s.seq.is_finished],
+        waiting=[s.seq_id for s in sched.waiting], running=[s.seq_id for s in sched.running],
+        block_tables={s.seq_id: a.block_table(s.seq_id) for s in live},
+        num_blocks=a.num_blocks, block_size=a.block_size, ref_counts=a.ref_counts(),
+        cached_blocks=a.cached_block_ids(), num_free_blocks=a.num_free_blocks,
+        num_batched_tokens=out.num_batched_tokens, token_budget=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
+        prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
+        speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0))

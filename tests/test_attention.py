@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.kv.attention import (BACKENDS, AttentionMetadata, PagedAttention, paged_attention_dense,
-                                 paged_attention_torch, store_kv_torch)
+from minibatch.kv.attention import BACKENDS, AttentionMetadata, PagedAttention
+from minibatch.kv.backends import paged_attention_batched, paged_attention_loop, store_kv_torch
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache, block_table_tensor, slot_mapping
 from minibatch.model.model import GPT, DenseAttention, get_config
@@ -95,7 +95,7 @@ def metadata_tensors(spec, tables):
     return bt, seq_lens, qsl
 
 
-@pytest.mark.parametrize("fn", [paged_attention_torch, paged_attention_dense], ids=["torch", "dense"])
+@pytest.mark.parametrize("fn", [paged_attention_loop, paged_attention_batched], ids=["loop", "batched"])
 @pytest.mark.parametrize("bs", [8, 16, 32])
 @pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("case", list(CASES))
@@ -107,7 +107,7 @@ def test_paged_attention_equals_dense_reference(fn, case, H, Hkv, bs):
     torch.testing.assert_close(out, reference(spec, K, V, q, H, Hkv), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fn", [paged_attention_torch, paged_attention_dense], ids=["torch", "dense"])
+@pytest.mark.parametrize("fn", [paged_attention_loop, paged_attention_batched], ids=["loop", "batched"])
 def test_a_nan_in_a_slot_that_is_read_shows(fn):
     """The NaN fill above proves something only if reading a NaN slot would show."""
     spec, tables, kc, vc, K, V, q = make_batch("mixed", 8, 2, 8)
@@ -117,7 +117,7 @@ def test_a_nan_in_a_slot_that_is_read_shows(fn):
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
-@pytest.mark.parametrize("fn", [paged_attention_torch, paged_attention_dense], ids=["torch", "dense"])
+@pytest.mark.parametrize("fn", [paged_attention_loop, paged_attention_batched], ids=["loop", "batched"])
 def test_scale_is_applied(fn):
     spec, tables, kc, vc, K, V, q = make_batch("chunked", 4, 4, 16)
     bt, seq_lens, qsl = metadata_tensors(spec, tables)
@@ -140,7 +140,7 @@ def run_backend(backend, case, H, Hkv, bs, seed=0):
             assert torch.equal(cache.kv[0, 0, t[p // bs], p % bs], k[p])
 
 
-@pytest.mark.parametrize("backend", ["torch", "dense"])
+@pytest.mark.parametrize("backend", ["loop", "batched"])
 @pytest.mark.parametrize("bs", [8, 32])
 @pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("case", list(CASES))
@@ -161,13 +161,13 @@ def test_unknown_backend_lists_the_choices():
     md = AttentionMetadata.build([[0]], [0], [1], 4)
     with pytest.raises(ValueError, match="triton"):
         PagedAttention(cache, md, "flash")
-    assert BACKENDS == ("dense", "torch", "triton")
+    assert BACKENDS == ("loop", "batched", "triton")
 
 
 def test_a_failed_call_leaves_the_cache_unchanged():
     cache = KVCache(2, 4, 4, 2, D, debug_nan=True)
     md = AttentionMetadata.build([[1, 3]], [3], [2], 4)
-    attn = PagedAttention(cache, md, "torch")
+    attn = PagedAttention(cache, md, "loop", debug=True)      # per-layer checks are a debug switch: the model
     q, kv = torch.randn(2, 4, D), torch.randn(2, 2, D)
     before = cache.kv.clone()
     bad_calls = [(0, q, torch.randn(2, 1, D), kv),          # wrong kv heads
@@ -179,12 +179,12 @@ def test_a_failed_call_leaves_the_cache_unchanged():
         with pytest.raises((ValueError, TypeError)):
             attn(*args)
     assert torch.equal(before.isnan(), cache.kv.isnan())   # nothing written
-    with pytest.raises(ValueError, match="outside"):
-        PagedAttention(cache, AttentionMetadata.build([[1, 4]], [3], [2], 4), "torch")   # block 4 of 4
+    with pytest.raises(ValueError, match="holds block 4, but the cache has 4 blocks"):
+        PagedAttention(cache, AttentionMetadata.build([[1, 4]], [3], [2], 4), "loop")   # checked once, always
 
 
 # -- validation of the raw functions -------------------------------------------------------------
-@pytest.mark.parametrize("fn", [paged_attention_torch, paged_attention_dense], ids=["torch", "dense"])
+@pytest.mark.parametrize("fn", [paged_attention_loop, paged_attention_batched], ids=["loop", "batched"])
 def test_bad_attention_inputs_raise_clear_errors(fn):
     spec, tables, kc, vc, K, V, q = make_batch("mixed", 8, 2, 8)
     bt, sl, qsl = metadata_tensors(spec, tables)
@@ -312,23 +312,24 @@ def serve_like_an_engine(model, seqs, prompt_lens, chunks, admit_at, forks, back
     alloc = BlockAllocator(64, bs)
     cache = KVCache(cfg.n_layer, 64, bs, cfg.num_kv_heads, cfg.head_dim, debug_nan=True)
     logits, done, step = {i: {} for i in range(len(seqs))}, set(), 0
+    computed = {}                                                     # seq -> tokens whose K/V is written
     while len(done) < len(seqs):
         for child, (parent, at) in forks.items():
             if at == step:
                 alloc.fork(parent, child)
+                computed[child] = computed[parent]
         for i in range(len(seqs)):
             if admit_at.get(i) == step:
-                cached = alloc.allocate(i, seqs[i][:prompt_lens[i]])
-                alloc.mark_computed(i, cached)
+                computed[i] = alloc.allocate(i, seqs[i][:prompt_lens[i]])
         batch, copies = [], []
         for i in range(len(seqs)):
             if i in done or not alloc.has_seq(i):
                 continue
-            c = alloc.num_computed(i)
+            c = computed[i]
             if c < prompt_lens[i]:                                   # a prefill chunk
                 n = min(chunks[i], prompt_lens[i] - c)
             else:                                                    # a decode: a slot for one more token
-                copies += alloc.append_slots(i, [seqs[i][c]])
+                copies += alloc.append_slots(i, 1)
                 n = 1
             batch.append((i, c, n))
         cache.copy_blocks(copies)                                    # copy-on-write before the forward
@@ -343,7 +344,8 @@ def serve_like_an_engine(model, seqs, prompt_lens, chunks, admit_at, forks, back
             for p in range(c, c + n):
                 logits[i][p] = out[row]
                 row += 1
-            alloc.mark_computed(i, c + n)
+            computed[i] = c + n
+            alloc.mark_computed(i, c + n, seqs[i])
             if c + n == len(seqs[i]):
                 done.add(i)
         alloc.check_invariants()
@@ -352,7 +354,7 @@ def serve_like_an_engine(model, seqs, prompt_lens, chunks, admit_at, forks, back
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_kernels, pytest.mark.interpreter]),
-                                     "torch", "dense"])
+                                     "loop", "batched"])
 def test_model_logits_through_the_paged_cache_equal_the_dense_reference(backend):
     torch.manual_seed(0)
     model = GPT(get_config("target")).eval()

@@ -1,5 +1,11 @@
 """BlockAllocator: exact block ids and ref counts per operation, copy-on-write, failures that change
-nothing, and a stateful property test that also simulates the KV contents the blocks would hold."""
+nothing, and a stateful property test that also simulates the KV contents the blocks would hold.
+
+The allocator owns blocks only: it takes counts (``append_slots(seq, n)``), and the tokens only where it
+hashes them (``allocate``, ``mark_computed``). So the tests keep each sequence's tokens themselves, as the
+engine's ``Sequence`` does, and pass them in."""
+import re
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -36,7 +42,7 @@ def test_fresh_pool():
 def test_allocate_takes_blocks_in_free_queue_order():
     a = BlockAllocator(8, 4)
     assert a.allocate("a", toks(10)) == 0                 # nothing cached yet
-    assert a.block_table("a") == [0, 1, 2] and a.num_tokens("a") == 10 and a.token_ids("a") == toks(10)
+    assert a.block_table("a") == [0, 1, 2] and a.num_slots("a") == 10 and a.num_cached_blocks("a") == 0
     assert a.allocate("b", toks(4, 500)) == 0
     assert a.block_table("b") == [3]
     assert a.ref_counts() == [1, 1, 1, 1, 0, 0, 0, 0] and a.num_free_blocks == 4
@@ -44,25 +50,47 @@ def test_allocate_takes_blocks_in_free_queue_order():
     a.check_invariants(["a", "b"])
 
 
-def test_block_table_is_a_copy():
+def test_block_table_and_other_readings_are_copies():
     a = BlockAllocator(4, 4)
     a.allocate("a", toks(5))
+    before = a.snapshot()
     a.block_table("a").append(3)
-    a.token_ids("a").append(7)
-    assert a.block_table("a") == [0, 1] and a.num_tokens("a") == 5
+    a.ref_counts()[2] = 1
+    a.free_block_ids().remove(2)
+    a.snapshot()["seqs"]["a"][0].append(3)
+    assert a.block_table("a") == [0, 1] and a.num_slots("a") == 5
+    assert a.snapshot() == before
+    a.check_invariants(["a"])
 
 
 def test_append_takes_a_block_only_when_the_last_is_full():
     a = BlockAllocator(8, 4)
     a.allocate("a", toks(6))                            # blocks [0, 1], block 1 holds 2 tokens
-    assert a.append_slots("a", [1]) == [] and a.block_table("a") == [0, 1]
-    assert a.append_slots("a", [2]) == [] and a.block_table("a") == [0, 1]   # 8 tokens: exactly full
-    assert a.append_slots("a", [3]) == [] and a.block_table("a") == [0, 1, 2]
-    assert a.append_slots("a", [4, 5, 6, 7, 8]) == []  # speculative 1 + k: crosses into a 4th block
-    assert a.block_table("a") == [0, 1, 2, 3] and a.num_tokens("a") == 14
-    assert a.token_ids("a") == toks(6) + [1, 2, 3, 4, 5, 6, 7, 8]
-    assert a.append_slots("a", []) == [] and a.num_tokens("a") == 14
+    assert a.append_slots("a", 1) == [] and a.block_table("a") == [0, 1] and a.num_slots("a") == 7
+    assert a.append_slots("a", 1) == [] and a.block_table("a") == [0, 1]     # 8 slots: exactly full
+    assert a.append_slots("a", 1) == [] and a.block_table("a") == [0, 1, 2]
+    assert a.append_slots("a", 5) == []                 # speculative 1 + k: crosses into a 4th block
+    assert a.block_table("a") == [0, 1, 2, 3] and a.num_slots("a") == 14
+    assert a.ref_counts() == [1, 1, 1, 1, 0, 0, 0, 0] and a.free_block_ids() == [4, 5, 6, 7]
+    assert a.append_slots("a", 0) == [] and a.num_slots("a") == 14 and a.block_table("a") == [0, 1, 2, 3]
+    assert a.append_slots("a", 2) == [] and a.block_table("a") == [0, 1, 2, 3]   # fills the 4th exactly
+    assert a.append_slots("a", 9) == [] and a.block_table("a") == [0, 1, 2, 3, 4, 5, 6]   # 3 at once
+    assert a.num_slots("a") == 25 and a.num_free_blocks == 1
     a.check_invariants(["a"])
+
+
+@pytest.mark.parametrize("bad, err, msg", [(-1, ValueError, "num_new_tokens must be >= 0, got -1"),
+                                           ([1, 2], TypeError, "num_new_tokens must be an int, got list"),
+                                           ((7,), TypeError, "num_new_tokens must be an int, got tuple"),
+                                           (1.0, TypeError, "num_new_tokens must be an int, got float"),
+                                           (True, TypeError, "num_new_tokens must be an int, got bool")])
+def test_append_slots_takes_a_non_negative_int_count(bad, err, msg):
+    a = BlockAllocator(4, 4)
+    a.allocate("a", toks(6))
+    before = a.snapshot()
+    with pytest.raises(err, match=re.escape(msg)):
+        a.append_slots("a", bad)
+    assert a.snapshot() == before
 
 
 def test_free_returns_blocks_tail_first_to_the_back_of_the_queue():
@@ -81,7 +109,9 @@ def test_free_unknown_or_twice_is_a_key_error():
     a.allocate("a", toks(3))
     a.free("a")
     for call in (lambda: a.free("a"), lambda: a.free("zz"), lambda: a.block_table("a"),
-                 lambda: a.append_slots("a", [1]), lambda: a.truncate("a", 1), lambda: a.fork("a", "b")):
+                 lambda: a.append_slots("a", 1), lambda: a.truncate("a", 1), lambda: a.fork("a", "b"),
+                 lambda: a.num_slots("a"), lambda: a.num_cached_blocks("a"),
+                 lambda: a.mark_computed("a", 0, toks(3))):
         with pytest.raises(UnknownSequenceError, match="unknown sequence") as e:
             call()
         assert isinstance(e.value, KeyError)
@@ -91,24 +121,38 @@ def test_free_unknown_or_twice_is_a_key_error():
 # -- fork and copy-on-write -----------------------------------------------------------------
 def test_fork_shares_every_block_and_copy_on_write_on_the_partial_one():
     a = BlockAllocator(8, 4)
-    a.allocate("p", toks(6))                            # [0, 1]; block 1 partly filled
+    p = toks(6)
+    a.allocate("p", p)                                  # [0, 1]; block 1 partly filled
+    a.mark_computed("p", 6, p)                          # block 0 cached
     a.fork("p", "c")
-    assert a.block_table("c") == [0, 1] and a.ref_counts()[:2] == [2, 2] and a.token_ids("c") == toks(6)
-    assert a.append_slots("c", [7]) == [(1, 2)]         # block 1 is shared: the child writes a copy
+    c = list(p)                                         # the child's tokens: a copy of the parent's
+    assert a.block_table("c") == [0, 1] and a.ref_counts()[:2] == [2, 2]
+    assert a.num_slots("c") == 6 and a.num_cached_blocks("c") == 1
+    assert a.append_slots("c", 1) == [(1, 2)]           # block 1 is shared: the child writes a copy
     assert a.block_table("c") == [0, 2] and a.block_table("p") == [0, 1]
     assert a.ref_counts()[:3] == [2, 1, 1]
-    assert a.append_slots("p", [8]) == []               # block 1 is the parent's alone now: in place
-    assert a.block_table("p") == [0, 1]
-    assert a.token_ids("p") == toks(6) + [8] and a.token_ids("c") == toks(6) + [7]
+    assert a.append_slots("p", 1) == []                 # block 1 is the parent's alone now: in place
+    assert a.block_table("p") == [0, 1] and a.num_slots("p") == a.num_slots("c") == 7
     a.check_invariants(["p", "c"])
+    # the two now differ in their second block; each one's computed block is cached under its own tokens
+    p += [8, 9]
+    c += [7, 9]
+    a.append_slots("p", 1)
+    a.append_slots("c", 1)
+    a.mark_computed("p", 8, p)
+    a.mark_computed("c", 8, c)
+    assert a.cached_block_ids() == [0, 1, 2]
+    assert a.allocate("p2", p + [0]) == 8 and a.block_table("p2")[:2] == [0, 1]
+    assert a.allocate("c2", c + [0]) == 8 and a.block_table("c2")[:2] == [0, 2]
+    a.check_invariants(["p", "c", "p2", "c2"])
 
 
 def test_fork_on_a_full_block_needs_no_copy():
     a = BlockAllocator(8, 4)
     a.allocate("p", toks(8))
     a.fork("p", "c")
-    assert a.append_slots("c", [1]) == [] and a.block_table("c") == [0, 1, 2]
-    assert a.append_slots("p", [2]) == [] and a.block_table("p") == [0, 1, 3]
+    assert a.append_slots("c", 1) == [] and a.block_table("c") == [0, 1, 2]
+    assert a.append_slots("p", 1) == [] and a.block_table("p") == [0, 1, 3]
     assert a.ref_counts()[:4] == [2, 2, 1, 1]
 
 
@@ -118,9 +162,9 @@ def test_three_way_fork_copies_for_two_of_them():
     a.fork("p", "c1")
     a.fork("p", "c2")
     assert a.ref_count(0) == 3
-    assert a.append_slots("c1", [1]) == [(0, 1)]
-    assert a.append_slots("p", [2]) == [(0, 2)]
-    assert a.append_slots("c2", [3]) == []              # the last holder writes in place
+    assert a.append_slots("c1", 1) == [(0, 1)]
+    assert a.append_slots("p", 1) == [(0, 2)]
+    assert a.append_slots("c2", 1) == []                # the last holder writes in place
     assert [a.block_table(s) for s in ("p", "c1", "c2")] == [[2], [1], [0]]
 
 
@@ -150,14 +194,16 @@ def test_fork_errors():
 def test_truncate_releases_blocks_no_longer_needed():
     a = BlockAllocator(8, 4)
     a.allocate("a", toks(6))
-    a.append_slots("a", [1, 2, 3, 4, 5])                # 11 tokens: [0, 1, 2]
+    a.append_slots("a", 5)                              # 11 slots: [0, 1, 2]
     a.truncate("a", 7)                                  # rejected drafts go
-    assert a.block_table("a") == [0, 1] and a.token_ids("a") == toks(6) + [1]
-    assert a.free_block_ids()[-1] == 2
+    assert a.block_table("a") == [0, 1] and a.num_slots("a") == 7
+    assert a.free_block_ids()[-1] == 2 and a.ref_counts()[:3] == [1, 1, 0]
+    before = a.snapshot()
     a.truncate("a", 7)                                  # no-op
+    assert a.snapshot() == before
     a.truncate("a", 4)
-    assert a.block_table("a") == [0] and a.num_tokens("a") == 4
-    assert a.append_slots("a", [9]) == [] and a.block_table("a") == [0, 3]   # the front of the queue
+    assert a.block_table("a") == [0] and a.num_slots("a") == 4
+    assert a.append_slots("a", 1) == [] and a.block_table("a") == [0, 3]     # the front of the queue
     a.check_invariants(["a"])
 
 
@@ -175,7 +221,7 @@ def test_truncate_bad_length_changes_nothing():
 def test_allocate_errors_change_nothing():
     a = BlockAllocator(4, 4)
     a.allocate("a", toks(9))                            # 3 of 4 blocks
-    a.mark_computed("a", 9)
+    a.mark_computed("a", 9, toks(9))
     before = a.snapshot()
     with pytest.raises(ValueError, match="already exists"):
         a.allocate("a", toks(1))
@@ -199,24 +245,61 @@ def test_append_errors_change_nothing():
     a.allocate("c", toks(1, 50))                        # [2]: the pool is full
     before = a.snapshot()
     with pytest.raises(NoFreeBlocksError):
-        a.append_slots("a", [1])                        # needs a copy-on-write block
+        a.append_slots("a", 1)                          # needs a copy-on-write block
     with pytest.raises(NoFreeBlocksError):
-        a.append_slots("c", [1, 2, 3, 4])               # needs a second block
+        a.append_slots("c", 4)                          # needs a second block
     with pytest.raises(TypeError):
-        a.append_slots("c", [1.5])
+        a.append_slots("c", 1.5)
+    with pytest.raises(TypeError):
+        a.append_slots("c", [1])                        # the old API: tokens instead of a count
+    with pytest.raises(ValueError):
+        a.append_slots("c", -1)
     assert a.snapshot() == before
+    assert a.append_slots("c", 3) == [] and a.block_table("c") == [2]       # 4 slots still fit in block 2
     a.check_invariants(["a", "b", "c"])
 
 
 def test_mark_computed_errors_change_nothing():
     a = BlockAllocator(4, 4)
-    a.allocate("a", toks(6))
-    a.mark_computed("a", 5)
+    t = toks(6)
+    a.allocate("a", t)
+    a.mark_computed("a", 5, t)
+    assert a.num_cached_blocks("a") == 1 and a.cached_block_ids() == [0]
     before = a.snapshot()
-    for n in (7, 4, -1):                                # past the tokens held; backwards
-        with pytest.raises(ValueError):
-            a.mark_computed("a", n)
-    assert a.snapshot() == before and a.num_computed("a") == 5
+    for n, tokens, err in ((7, t + [1], ValueError),   # past the slots held (even with the tokens given)
+                           (6, t[:5], ValueError),      # past the tokens given
+                           (5, t[:4], ValueError),
+                           (-1, t, ValueError),
+                           (5.0, t, TypeError)):
+        with pytest.raises(err):
+            a.mark_computed("a", n, tokens)
+    assert a.snapshot() == before and a.num_cached_blocks("a") == 1
+
+
+def test_mark_computed_rejects_more_than_the_slots_held_or_the_tokens_given():
+    a = BlockAllocator(8, 4)
+    t = toks(9)
+    a.allocate("a", t[:6])
+    before = a.snapshot()
+    with pytest.raises(ValueError, match=r"num_computed_tokens must be in 0\.\.6 .*got 7"):
+        a.mark_computed("a", 7, t)                      # 9 tokens known, only 6 slots held
+    with pytest.raises(ValueError, match=r"at most len\(token_ids\) = 4, got 5"):
+        a.mark_computed("a", 5, t[:4])                  # 6 slots held, only 4 tokens given
+    assert a.snapshot() == before
+    a.mark_computed("a", 6, t)                          # a longer token list is fine: its first 6 count
+    assert a.cached_block_ids() == [0] and a.num_cached_prefix_tokens(t) == 4
+
+
+def test_mark_computed_lower_than_before_changes_nothing():
+    a = BlockAllocator(8, 4)
+    t = toks(10)
+    a.allocate("a", t)
+    a.mark_computed("a", 9, t)                          # 2 full blocks cached
+    before = a.snapshot()
+    for n in (8, 5, 0):                                 # the allocator keeps no count: a lower one is no news
+        a.mark_computed("a", n, t)
+        assert a.snapshot() == before
+    assert a.num_cached_blocks("a") == 2
 
 
 def test_ref_count_of_a_bad_block_id():
@@ -236,7 +319,12 @@ def test_check_invariants_catches_corruption():
         a.check_invariants()
     a._ref[3] = 0
     a._seqs["a"].blocks.append(3)                       # one block too many for 5 tokens
-    with pytest.raises(AssertionError, match="blocks for 5 tokens"):
+    with pytest.raises(AssertionError, match="blocks for 5 slots"):
+        a.check_invariants()
+    a._seqs["a"].blocks.pop()
+    a.check_invariants(["a"])
+    a._seqs["a"].chain = [(0, 0), (1, 1)]               # 2 cached full blocks in 5 slots
+    with pytest.raises(AssertionError, match="more cached blocks than full blocks"):
         a.check_invariants()
 
 
@@ -247,25 +335,28 @@ BS, NB = 4, 12
 class AllocatorMachine(RuleBasedStateMachine):
     """Random allocate / compute / append / fork / truncate / free, as an engine would call them.
 
-    Next to the allocator it keeps a model of each sequence's tokens and a fake KV cache, ``kv[block][offset]
-    = token``, written only where the engine would write (uncomputed positions, copy-on-write copies). So a
-    prefix-cache hit on the wrong block, a missed copy-on-write or a shared block written in place shows up
-    as a position whose "KV" is not its token.
+    Next to the allocator it keeps what the engine's ``Sequence`` owns -- each sequence's tokens and its
+    ``num_computed`` -- and a fake KV cache, ``kv[block][offset] = token``, written only where the engine
+    would write (uncomputed positions, copy-on-write copies). So a prefix-cache hit on the wrong block, a
+    missed copy-on-write or a shared block written in place shows up as a position whose "KV" is not its
+    token; and every cache entry must describe the "KV" its block really holds.
     """
     caching = True
 
     @initialize()
     def setup(self):
         self.a = BlockAllocator(NB, BS, self.caching)
-        self.tokens, self.kv, self.next_id = {}, [[None] * BS for _ in range(NB)], 0
+        self.tokens, self.computed = {}, {}
+        self.kv, self.next_id = [[None] * BS for _ in range(NB)], 0
 
     def _compute(self, sid, upto):
         table = self.a.block_table(sid)
-        for p in range(self.a.num_computed(sid), upto):
+        for p in range(self.computed[sid], upto):
             b = table[p // BS]
             assert self.a.ref_count(b) == 1 and b not in self.a.cached_block_ids(), "writing a shared block"
             self.kv[b][p % BS] = self.tokens[sid][p]
-        self.a.mark_computed(sid, upto)
+        self.computed[sid] = max(self.computed[sid], upto)
+        self.a.mark_computed(sid, upto, self.tokens[sid])
 
     def _try(self, fn):
         before = self.a.snapshot()
@@ -276,6 +367,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             raise
 
     seqs = property(lambda self: sorted(self.tokens))
+
+    def _done(self):
+        return [s for s in self.seqs if self.computed[s] == len(self.tokens[s])]
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=20), chunk=st.integers(0, 20))
     def allocate(self, tokens, chunk):
@@ -289,29 +383,48 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert not can
             return
         assert can and cached == expect_cached and cached % BS == 0 and cached <= len(tokens) - 1
-        self.tokens[sid] = list(tokens)
+        assert self.a.num_slots(sid) == len(tokens) and self.a.num_cached_blocks(sid) == cached // BS
+        self.tokens[sid], self.computed[sid] = list(tokens), cached
         self._compute(sid, min(len(tokens), cached + chunk))    # a first prefill chunk
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def compute_more(self, data):                               # a later prefill chunk
         sid = data.draw(st.sampled_from(self.seqs))
-        n = data.draw(st.integers(self.a.num_computed(sid), len(self.tokens[sid])))
+        n = data.draw(st.integers(self.computed[sid], len(self.tokens[sid])))
         self._compute(sid, n)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def mark_again(self, data):                                 # a count already reported: no news
+        sid = data.draw(st.sampled_from(self.seqs))
+        n = data.draw(st.integers(0, self.computed[sid]))
+        before = self.a.snapshot()
+        self.a.mark_computed(sid, n, self.tokens[sid])
+        after = self.a.snapshot()
+        assert after["seqs"][sid][:2] == before["seqs"][sid][:2] and after["ref"] == before["ref"]
+        assert after["free"] == before["free"] and (after["hits"], after["queries"]) == \
+            (before["hits"], before["queries"])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=st.lists(st.integers(0, 1), min_size=1, max_size=5))
     def append(self, data, new):                                # decode, or verify 1 + k
-        done = [s for s in self.seqs if self.a.num_computed(s) == len(self.tokens[s])]
+        done = self._done()
         if not done:
             return
         sid = data.draw(st.sampled_from(done))
+        old_table = self.a.block_table(sid)
         try:
-            pairs = self._try(lambda: self.a.append_slots(sid, new))
+            pairs = self._try(lambda: self.a.append_slots(sid, len(new)))
         except NoFreeBlocksError:
             return
+        table = self.a.block_table(sid)
+        keep = len(old_table) - len(pairs)                      # only the partly filled last block may move
+        assert len(pairs) <= 1 and table[:keep] == old_table[:keep]
+        assert len(table) == self.a.blocks_needed(len(self.tokens[sid]) + len(new))
         for src, dst in pairs:                                  # the engine copies before it writes
-            assert self.a.ref_count(dst) == 1
+            assert src == old_table[-1] and dst == table[len(old_table) - 1] and src != dst
+            assert self.a.ref_count(dst) == 1 and dst not in self.a.cached_block_ids()
             self.kv[dst] = list(self.kv[src])
         self.tokens[sid] += new
         self._compute(sid, len(self.tokens[sid]))
@@ -319,13 +432,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):                                       # parallel sampling: after the prompt
-        done = [s for s in self.seqs if self.a.num_computed(s) == len(self.tokens[s])]
+        done = self._done()
         if not done:
             return
         parent, child = data.draw(st.sampled_from(done)), f"s{self.next_id}"
         self.next_id += 1
         self.a.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
+        self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
+        assert self.a.block_table(child) == self.a.block_table(parent)
+        assert self.a.num_cached_blocks(child) == self.a.num_cached_blocks(parent)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -334,13 +449,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(0, len(self.tokens[sid])))
         self.a.truncate(sid, n)
         del self.tokens[sid][n:]
+        self.computed[sid] = min(self.computed[sid], n)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         sid = data.draw(st.sampled_from(self.seqs))
         self.a.free(sid)
-        del self.tokens[sid]
+        del self.tokens[sid], self.computed[sid]
 
     @invariant()
     def consistent(self):
@@ -348,11 +464,21 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.a.check_invariants(self.tokens)
         assert self.a.num_free_blocks == self.a.ref_counts().count(0)
+        entries = self.a.snapshot()["entries"]
+        if not self.caching:
+            assert entries == {} and self.a.cached_block_ids() == []
+        for b, e in entries.items():                            # the cache describes what the block holds
+            assert self.kv[b] == list(e.tokens), f"block {b} holds {self.kv[b]}, its entry says {e.tokens}"
         for sid, t in self.tokens.items():
-            assert self.a.token_ids(sid) == t
+            assert self.a.num_slots(sid) == len(t)
+            assert self.a.num_cached_blocks(sid) <= self.computed[sid] // BS
             table = self.a.block_table(sid)
-            held = [self.kv[table[p // BS]][p % BS] for p in range(self.a.num_computed(sid))]
+            held = [self.kv[table[p // BS]][p % BS] for p in range(self.computed[sid])]
             assert held == t[:len(held)], f"{sid}: the cache holds {held}, the sequence {t}"
+            for i, b in enumerate(table):                       # a block's entry agrees with its holders
+                if b in entries:
+                    part = tuple(t[i * BS:(i + 1) * BS])
+                    assert entries[b].tokens[:len(part)] == part, f"{sid}: block {b} differs from its entry"
 
 
 class AllocatorMachineNoCache(AllocatorMachine):

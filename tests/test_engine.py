@@ -48,7 +48,7 @@ CONFIGS = {
     "tiny-cache-preempts": dict(block_size=8, num_gpu_blocks=24, max_num_seqs=8),
     "chunked-prefill": dict(max_num_batched_tokens=16),
     "no-prefix-cache": dict(enable_prefix_caching=False),
-    "dense-backend": dict(attention_backend="dense"),
+    "loop-backend": dict(attention_backend="loop"),
     "priority": dict(policy="priority", max_num_seqs=3, block_size=8, num_gpu_blocks=30, _prio=[3, 0, 2, 1, 0, 5, 1, 2, 4]),
     "prefill-first": dict(order="prefill-first", max_num_batched_tokens=48),
     "prefill-first-tiny-cache": dict(order="prefill-first", block_size=8, num_gpu_blocks=24, max_num_seqs=8),

@@ -187,7 +187,7 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
               SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3, max_tokens=10)]
 
     def generate():
-        llm = LLM(model, block_size=4, attention_backend="torch",
+        llm = LLM(model, block_size=4, attention_backend="loop",
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 

@@ -1,6 +1,7 @@
 """The prefix cache: which blocks are reused, what is never shared, collisions, eviction order, counters.
 
-Block size 4 throughout, so block i of a prompt is tokens 4i..4i+3.
+Block size 4 throughout, so block i of a prompt is tokens 4i..4i+3. The allocator keeps no tokens: as the
+engine's ``Sequence`` does, the tests keep them and pass them to ``mark_computed``.
 """
 import pytest
 
@@ -13,7 +14,7 @@ A = [10, 11, 12, 13, 20, 21, 22, 23, 30, 31]        # 2 full blocks + 2 tokens
 def computed(a, sid, tokens):
     """Allocate and prefill in one go (the KV of every token is then written)."""
     cached = a.allocate(sid, tokens)
-    a.mark_computed(sid, len(tokens))
+    a.mark_computed(sid, len(tokens), tokens)
     return cached
 
 
@@ -25,7 +26,7 @@ def test_a_shared_prefix_reuses_the_same_physical_blocks():
     assert a.num_cached_prefix_tokens(b) == 8
     assert a.allocate("b", b) == 8                     # KV of tokens 0..7 is already there
     assert a.block_table("b") == [0, 1, 3] and a.ref_counts()[:4] == [2, 2, 1, 1]
-    assert a.num_computed("b") == 8
+    assert a.num_cached_blocks("b") == 2 and a.num_slots("b") == 11
     c = A[:4] + [99] * 6                                # shares only the first block
     assert a.allocate("c", c) == 4 and a.block_table("c") == [0, 4, 5]
     assert a.ref_count(0) == 3
@@ -56,10 +57,13 @@ def test_partial_blocks_are_never_cached():
     computed(a, "a", A)
     assert 2 not in a.cached_block_ids()               # block 2 holds 2 of 4 tokens
     assert a.allocate("b", A + [32, 33]) == 8           # so a longer prompt gets only 2 blocks
-    a.append_slots("a", [32, 33])                       # block 2 fills up ...
+    a_tokens = A + [32, 33]
+    assert a.append_slots("a", 2) == []                 # block 2 fills up ...
+    assert a.cached_block_ids() == [0, 1] and a.num_cached_blocks("a") == 2
+    a.mark_computed("a", 10, a_tokens)                  # (the old count again: nothing new)
     assert a.cached_block_ids() == [0, 1]
-    a.mark_computed("a", 12)                            # ... and is computed: now it is an entry
-    assert a.cached_block_ids() == [0, 1, 2]
+    a.mark_computed("a", 12, a_tokens)                  # ... and is computed: now it is an entry
+    assert a.cached_block_ids() == [0, 1, 2] and a.num_cached_blocks("a") == 3
     assert a.allocate("c", A + [32, 33, 7]) == 12
 
 
@@ -67,12 +71,14 @@ def test_blocks_not_yet_computed_are_not_shared():
     a = BlockAllocator(16, 4)
     a.allocate("a", A)                                  # blocks given out, KV not written yet
     assert a.cached_block_ids() == [] and a.allocate("b", A) == 0
-    a.mark_computed("a", 5)                             # chunked prefill: 5 of 10 tokens written
-    assert a.cached_block_ids() == [0]
+    a.mark_computed("a", 3, A)                          # chunked prefill: 3 of 10 written, no full block
+    assert a.cached_block_ids() == [] and a.num_cached_blocks("a") == 0
+    a.mark_computed("a", 5, A)                          # 5 of 10 tokens written
+    assert a.cached_block_ids() == [0] and a.num_cached_blocks("a") == 1
     assert a.allocate("c", A) == 4
-    a.mark_computed("a", 7)
+    a.mark_computed("a", 7, A)
     assert a.cached_block_ids() == [0] and a.allocate("d", A) == 4
-    a.mark_computed("a", 10)
+    a.mark_computed("a", 10, A)
     assert a.cached_block_ids() == [0, 1] and a.allocate("e", A) == 8
     a.check_invariants(["a", "b", "c", "d", "e"])
 
@@ -81,9 +87,12 @@ def test_a_duplicate_block_computed_elsewhere_does_not_steal_the_entry():
     a = BlockAllocator(8, 4)
     a.allocate("a", A)
     a.allocate("b", A)                                  # before a's KV exists: no hit, own blocks
-    a.mark_computed("a", 10)
-    a.mark_computed("b", 10)                            # same content: the first entry stays
+    a.mark_computed("a", 10, A)
+    before = a.snapshot()
+    a.mark_computed("b", 10, A)                         # same content: the first entry stays
     assert a.cached_block_ids() == [0, 1]
+    assert a.snapshot()["entries"] == before["entries"] and a.snapshot()["cache"] == before["cache"]
+    assert a.num_cached_blocks("b") == 2                # b's chain follows a's entries (its own blocks: not cached)
     assert a.allocate("c", A) == 8 and a.block_table("c")[:2] == [0, 1]
 
 
@@ -92,6 +101,7 @@ def test_hash_collisions_are_caught_by_the_stored_tokens(monkeypatch):
     a = BlockAllocator(8, 4)
     computed(a, "a", A)
     assert a.cached_block_ids() == [0]                  # a collision stops registration, never overwrites
+    assert a.num_cached_blocks("a") == 1
     other = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert a.num_cached_prefix_tokens(other) == 0       # same hash, other tokens: a miss
     assert a.allocate("b", other) == 0 and a.block_table("b") == [3, 4, 5]
@@ -176,15 +186,21 @@ def test_writing_into_a_cached_block_after_truncate_evicts_it_or_copies_it():
     computed(a, "a", A)                                 # cached 0, 1
     a.truncate("a", 6)                                  # block 1 keeps 2 of its tokens
     assert a.cached_block_ids() == [0, 1]               # its KV is untouched so far
-    assert a.append_slots("a", [98, 99]) == []          # private: written in place, entry dropped
+    assert a.append_slots("a", 2) == []                 # private: written in place, entry dropped
     assert a.cached_block_ids() == [0] and a.allocate("b", A) == 4
+    a_tokens = A[:6] + [98, 99]
+    a.mark_computed("a", 8, a_tokens)                   # the new content of block 1 is cached in its place
+    assert a.cached_block_ids() == [0, 1] and a.num_cached_prefix_tokens(A) == 4
+    assert a.num_cached_prefix_tokens(a_tokens + [0]) == 8
 
     computed(a, "c", [5] * 9)                           # a fresh pair of cached blocks
     c1 = a.block_table("c")[1]
     a.allocate("d", [5] * 9)                            # shares them
     a.truncate("c", 6)
-    pairs = a.append_slots("c", [7, 7])                 # shared: copy-on-write, the entry stays
+    pairs = a.append_slots("c", 2)                      # shared: copy-on-write, the entry stays
     assert pairs == [(c1, a.block_table("c")[1])] and c1 in a.cached_block_ids()
+    assert a.block_table("d")[1] == c1 and a.ref_count(c1) == 1
+    assert a.num_cached_prefix_tokens([5] * 9) == 8     # d's blocks still serve the old prefix
     a.check_invariants(["a", "b", "c", "d"])
 
 
@@ -192,9 +208,12 @@ def test_fork_shares_cached_blocks_and_registers_once():
     a = BlockAllocator(8, 4)
     a.allocate("p", A)
     a.fork("p", "c")
-    a.mark_computed("p", 10)
-    a.mark_computed("c", 10)
+    a.mark_computed("p", 10, A)
+    before = a.snapshot()
+    a.mark_computed("c", 10, A)
     assert a.cached_block_ids() == [0, 1] and a.ref_counts()[:3] == [2, 2, 2]
+    assert a.snapshot()["entries"] == before["entries"]  # the child adds no entry of its own
+    assert a.num_cached_blocks("p") == a.num_cached_blocks("c") == 2
     a.check_invariants(["p", "c"])
 
 
@@ -202,14 +221,14 @@ def test_reset_prefix_cache():
     a = BlockAllocator(8, 4)
     computed(a, "a", A)
     a.reset_prefix_cache()
-    assert a.cached_block_ids() == [] and a.allocate("b", A) == 0
+    assert a.cached_block_ids() == [] and a.num_cached_blocks("a") == 0 and a.allocate("b", A) == 0
     a.check_invariants(["a", "b"])
 
 
 def test_caching_off():
     a = BlockAllocator(8, 4, enable_prefix_caching=False)
     assert computed(a, "a", A) == 0
-    assert a.cached_block_ids() == [] and a.num_cached_prefix_tokens(A) == 0
+    assert a.cached_block_ids() == [] and a.num_cached_prefix_tokens(A) == 0 and a.num_cached_blocks("a") == 0
     assert a.allocate("b", A) == 0 and a.block_table("b") == [3, 4, 5]
     assert (a.hits, a.queries) == (0, 0)
     a.free("a")

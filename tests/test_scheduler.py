@@ -1,43 +1,52 @@
-"""The scheduler on its own (a model-free stand-in), then its invariants over random workloads."""
+"""The scheduler on its own, through schedule() and update_from_output() with a model-free runner output;
+then its invariants over random workloads with a real (tiny) model."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minibatch import LLM, SamplingParams
+from minibatch.engine.model_runner import ModelRunnerOutput
+from minibatch.engine.scheduler import Scheduler
+from minibatch.engine.sequence import Request, Sequence
+from minibatch.engine.static_scheduler import StaticScheduler
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.model.model import GPT, GPTConfig
-from minibatch.engine.scheduler import Scheduler
-from minibatch.engine.sequence import Sequence
 
 
 def make(prompt_len, max_tokens, order, rid, priority=0):
-    return Sequence(rid, rid, 0, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                    priority=priority, arrival_time=float(order), arrival_order=order)
+    req = Request(rid, "", list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                  priority=priority, arrival_time=float(order), arrival_order=order)
+    seq = Sequence(rid, req, 0, list(req.prompt_token_ids))
+    req.seqs.append(seq)
+    return seq
 
 
-class StandIn:
-    """Plays the model runner: marks scheduled tokens computed and 'samples' a token when a sequence is done."""
+def model_free_output(out) -> ModelRunnerOutput:
+    """What a model runner would return, without a model: token 200 + i for a sequence's i-th output token,
+    wherever its chunk reaches its end (the runner samples exactly there)."""
+    sampled = [[200 + s.seq.num_output_tokens] if s.samples else [] for s in out.scheduled]
+    return ModelRunnerOutput(sampled, [0] * len(sampled), [[] for _ in sampled])
 
-    def __init__(self, **kw):
+
+class Harness:
+    """The real scheduler and allocator; the model runner replaced by model_free_output."""
+
+    def __init__(self, scheduling="continuous", **kw):
         self.alloc = BlockAllocator(kw.pop("num_blocks"), kw.pop("block_size"), kw.pop("prefix", False))
-        self.sched = Scheduler(self.alloc, **kw)
+        self.sched = (StaticScheduler if scheduling == "static" else Scheduler)(self.alloc, **kw)
 
     def step(self):
         out = self.sched.schedule()
-        for s in out.scheduled:
+        self.sched.update_from_output(out, model_free_output(out))
+        self.alloc.check_invariants([s.seq_id for s in self.sched.running])
+        for s in out.scheduled:                   # the scheduler's one invariant, held after every step
             seq = s.seq
-            seq.num_computed += s.num_tokens
-            self.alloc.mark_computed(seq.seq_id, seq.num_computed)
-            if seq.num_computed == len(seq):
-                seq.output_ids.append(200 + len(seq.output_ids))
-                if len(seq.output_ids) >= seq.params.max_tokens:
-                    self.sched.finish(seq)
-        self.alloc.check_invariants()
-        return [(s.seq.seq_id, s.num_tokens, s.phase) for s in out.scheduled], [s.seq_id for s in out.preempted]
+            assert seq.is_finished or seq.num_computed_tokens == s.num_computed_before + s.num_new_tokens
+        return [(s.seq.seq_id, s.num_new_tokens, s.phase) for s in out.scheduled], [s.seq_id for s in out.preempted]
 
 
 def test_exact_schedule_with_chunked_prefill():
-    r = StandIn(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    r = Harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
     for i, (p, m) in enumerate([(6, 3), (3, 2), (10, 2)]):
         r.sched.add(make(p, m, i, "ABC"[i]))
     steps = [r.step()[0] for _ in range(6)]
@@ -53,12 +62,12 @@ def test_exact_schedule_with_chunked_prefill():
 
 
 def test_prefill_first_admits_before_decoding():
-    r = StandIn(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, order="prefill-first")
+    r = Harness(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, order="prefill-first")
     r.sched.add(make(4, 5, 0, "A"))
     assert r.step()[0] == [("A", 4, "prefill")]
     r.sched.add(make(7, 2, 1, "B"))
     assert r.step()[0] == [("B", 7, "prefill"), ("A", 1, "decode")]
-    r2 = StandIn(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    r2 = Harness(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     r2.sched.add(make(4, 5, 0, "A"))
     r2.step()
     r2.sched.add(make(8, 2, 1, "B"))
@@ -66,7 +75,7 @@ def test_prefill_first_admits_before_decoding():
 
 
 def test_preemption_picks_the_latest_arrival_and_resumes_it():
-    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    r = Harness(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32)
     r.sched.add(make(7, 4, 0, "A"))
     r.sched.add(make(7, 4, 1, "B"))
     assert r.step() == ([("A", 7, "prefill"), ("B", 7, "prefill")], [])
@@ -82,17 +91,17 @@ def test_preemption_picks_the_latest_arrival_and_resumes_it():
 def test_prefill_first_never_lets_a_newcomer_push_out_a_running_sequence():
     """Prefill-first admits B before A decodes; when A then needs a block, the least important of the two
     (B, the later arrival) gives way: its admission is undone and it waits, and A keeps running."""
-    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first")
+    r = Harness(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first")
     r.sched.add(make(7, 4, 0, "A"))
     assert r.step() == ([("A", 7, "prefill")], [])
     assert r.step() == ([("A", 1, "decode")], [])
     r.sched.add(make(7, 4, 1, "B"))
     assert r.step() == ([("A", 1, "decode")], [])          # B took A's next block at admission, then gave it back
-    assert [s.seq_id for s in r.sched.waiting] == ["B"] and r.sched.waiting[0].num_preemptions == 0
+    assert [s.seq_id for s in r.sched.waiting] == ["B"] and r.sched.waiting.peek().num_preemptions == 0
     assert r.step() == ([("A", 1, "decode")], [])           # A finishes
     assert r.step() == ([("B", 7, "prefill")], [])
     # with priorities, the newcomer that matters more does push the running one out
-    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first",
+    r = Harness(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, order="prefill-first",
                 policy="priority")
     r.sched.add(make(7, 4, 0, "A", priority=1))
     r.step()
@@ -102,7 +111,7 @@ def test_prefill_first_never_lets_a_newcomer_push_out_a_running_sequence():
 
 
 def test_priority_preempts_the_least_important():
-    r = StandIn(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, policy="priority")
+    r = Harness(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, policy="priority")
     r.sched.add(make(7, 4, 0, "A", priority=1))
     r.sched.add(make(7, 4, 1, "B", priority=0))           # later, but more important
     r.step()
@@ -111,13 +120,58 @@ def test_priority_preempts_the_least_important():
 
 
 def test_static_batch_admits_nobody_until_done():
-    r = StandIn(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, scheduling="static")
+    r = Harness(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, scheduling="static")
     for i, m in enumerate([1, 4, 2]):
         r.sched.add(make(4, m, i, "ABC"[i]))
     assert r.step()[0] == [("A", 4, "prefill"), ("B", 4, "prefill")]
     assert r.step()[0] == [("B", 1, "decode")]              # A is done but keeps its slot: C must wait
     out = r.sched.schedule()
     assert out.num_padding_slots == 1 and [s.seq.seq_id for s in out.scheduled] == ["B"]
+
+
+def test_update_rolls_back_rejected_drafts():
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    seq = make(5, 10, 0, "A")
+    h.sched.add(seq)
+    h.step()                                                   # prefill: 5 computed, token 200 appended
+    seq.spec_token_ids = [7, 8, 9]                             # a proposer's three drafts
+    out = h.sched.schedule()
+    (s,) = out.scheduled
+    assert (s.num_new_tokens, s.input_token_ids, s.samples) == (4, [200, 7, 8, 9], True)
+    assert h.alloc.num_slots("A") == 9                         # slots for the last token and every draft
+    h.sched.update_from_output(out, ModelRunnerOutput([[7, 42]], [1], [[]]))   # 7 accepted, 42 corrects 8
+    assert seq.token_ids[5:] == [200, 7, 42] and seq.num_computed_tokens == 7
+    assert h.alloc.num_slots("A") == 7 and h.alloc.block_table("A") == [0, 1]   # rejected drafts rolled back
+    assert seq.spec_token_ids == [] and seq.spec_stats.to_dict()["accepted"] == 1
+    h.alloc.check_invariants(["A"])
+
+
+def test_update_forks_parallel_samples_sharing_the_prompt_blocks():
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    seq = make(6, 3, 0, "R")
+    seq.num_forks_pending = 2
+    h.sched.add(seq)
+    out = h.sched.schedule()
+    h.sched.update_from_output(out, ModelRunnerOutput([[50]], [0], [[51, 52]]))
+    kids = seq.request.seqs
+    assert [k.seq_id for k in kids] == ["R", "R.1", "R.2"] and [k.token_ids[6:] for k in kids] == [[50], [51], [52]]
+    assert all(h.alloc.block_table(k.seq_id) == [0, 1] for k in kids) and h.alloc.ref_counts()[:2] == [3, 3]
+    assert [s.seq_id for s in h.sched.running] == ["R", "R.1", "R.2"] and seq.num_forks_pending == 0
+    h.step()                                                   # all three decode: two copy-on-write block 1
+    assert len({h.alloc.block_table(k.seq_id)[1] for k in kids}) == 3
+
+
+def test_update_cuts_at_a_stop_string_and_frees_the_blocks():
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    seq = make(3, 10, 0, "A")
+    seq.request.params.stop = ["\n"]
+    h.sched.add(seq)
+    out = h.sched.schedule()
+    changed, finished = h.sched.update_from_output(out, ModelRunnerOutput([[ord("x")]], [0], [[]]))
+    out = h.sched.schedule()
+    changed, finished = h.sched.update_from_output(out, ModelRunnerOutput([[ord("\n")]], [0], [[]]))
+    assert finished == [seq] and seq.finish_reason == "stop" and seq.output_token_ids == [ord("x")]
+    assert changed == [seq.request] and seq.request.finished and h.alloc.num_free_blocks == 8
 
 
 # -- invariants over random workloads, with a real (tiny, random) model ---------------------------

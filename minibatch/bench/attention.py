@@ -66,13 +66,13 @@ def local_paged_reference(query, key_cache, value_cache, block_tables, seq_lens,
 def torch_references():
     """[(name, fn)]: the project's PyTorch backends if importable, else the local one."""
     try:
-        from minibatch.kv import attention
+        from minibatch.kv import backends
     except Exception as e:   # noqa: BLE001 - any failure means "use the local reference"
-        print(f"(minibatch.kv.attention not importable: {e!r}; using the local reference)")
+        print(f"(minibatch.kv.backends not importable: {e!r}; using the local reference)")
         return [("torch-local", local_paged_reference)]
-    refs = [(n, getattr(attention, f)) for n, f in (("torch", "paged_attention_torch"),
-                                                    ("torch-dense", "paged_attention_dense"))
-            if hasattr(attention, f)]
+    refs = [(n, getattr(backends, f)) for n, f in (("loop", "paged_attention_loop"),
+                                                   ("batched", "paged_attention_batched"))
+            if hasattr(backends, f)]
     return refs or [("torch-local", local_paged_reference)]
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import pathlib
 
-from minibatch.engine.engine import EngineConfig, LLMEngine
+from minibatch.engine.config import EngineConfig
+from minibatch.engine.engine import LLMEngine
 from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 

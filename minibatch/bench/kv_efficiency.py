@@ -46,7 +46,7 @@ def paged_share(requests, block_size: int, grow_by_decode: bool = False) -> floa
         if grow_by_decode:                            # as the engine does: prompt, then one block at a time
             a.allocate(i, [0] * p)
             for _ in range(o):
-                a.append_slots(i, [0])
+                a.append_slots(i, 1)                  # one decode slot at a time
         else:
             a.allocate(i, [0] * (p + o))
     a.check_invariants(range(len(requests)))

@@ -148,7 +148,8 @@ def main(argv=None):
     import sys
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in OTHERS:
-        return importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
+        importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["batching", "speculative", *OTHERS])
     ap.add_argument("--device", default=None)
@@ -160,7 +161,7 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default="batched", help="attention backend: batched, loop or triton")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 6, 8])
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -16,7 +16,8 @@ from typing import Optional, Sequence as Seq, Union
 import torch
 from tqdm import tqdm
 
-from minibatch.engine.engine import EngineConfig, LLMEngine
+from minibatch.engine.config import EngineConfig
+from minibatch.engine.engine import LLMEngine
 from minibatch.model.model import GPT
 from minibatch.engine.sampler import SamplingParams
 from minibatch.engine.outputs import RequestOutput

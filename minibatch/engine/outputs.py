@@ -54,7 +54,7 @@ class CompletionOutput:
     text: str
     token_ids: list
     finish_reason: Optional[str] = None     # "length", "stop", "abort"; None while running
-    spec: Optional[dict] = None             # speculative statistics of this sequence
+    spec: Optional[dict] = None             # this sequence's speculative statistics (SpecStats.to_dict)
 
 
 @dataclass
@@ -67,5 +67,16 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-def completion_of(seq: Sequence, spec: Optional[dict] = None) -> CompletionOutput:
-    return CompletionOutput(seq.index, decode(seq.output_ids), list(seq.output_ids), seq.finish_reason, spec)
+def request_output(req, with_spec: bool) -> RequestOutput:
+    """A request's output as it stands now (``req`` is an ``engine.sequence.Request``).
+
+    The counts that live on the sequences are read from them here, so they are stored once:
+    output tokens and preemptions are summed over the request's samples."""
+    m = req.metrics
+    m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+    m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+    m.num_cached_tokens = req.seqs[0].num_cached_tokens
+    outs = [CompletionOutput(s.index, decode(s.output_token_ids), s.output_token_ids, s.finish_reason,
+                             s.spec_stats.to_dict() if with_spec else None)
+            for s in sorted(req.seqs, key=lambda s: s.index)]
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, m)

@@ -114,11 +114,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list, generators: list) -> list[int]:
         # logits[B, V]; params[B]: SamplingParams; generators[B]: torch.Generator or None
-        out = []
-        for row, p, g in zip(logits, params, generators):
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            probs = probabilities(row, p).cpu()
-            out.append(int(torch.multinomial(probs, 1, generator=g or self.default_generator)))
+        out = logits.argmax(-1).tolist()             # greedy rows: argmax, all rows at once, no randomness
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if not p.greedy:
+                probs = probabilities(logits[i], p).cpu()
+                out[i] = int(torch.multinomial(probs, 1, generator=g or self.default_generator))
         return out

@@ -1,11 +1,12 @@
-"""Who runs in this iteration, and with how many tokens.
+"""Who runs in this iteration, with how many tokens; and what their results change.
 
 Orca (Yu et al., OSDI'22, §3.1) schedules at the granularity of one
 *iteration*: after every model step a finished sequence leaves the batch and a
-waiting one may join. Each step here fills a **token budget**
-(``max_num_batched_tokens``) and at most ``max_num_seqs`` running sequences:
+waiting one may join. ``schedule()`` fills a **token budget**
+(``max_num_batched_tokens``) with at most ``max_num_seqs`` running sequences:
 
-* a running sequence in **decode** needs 1 token (1 + k under speculation);
+* a running sequence in **decode** needs 1 token (1 + k under speculation: the
+  last sampled token and k drafts to verify);
 * a running sequence still in **prefill** needs the rest of its prompt, cut
   into a **chunk** when it does not fit (chunked prefill, Agrawal et al.
   2023, Sarathi §3), so one long prompt cannot stall every decode;
@@ -18,36 +19,47 @@ sequences, then admissions: low latency for those already generating) or
 
 When a running sequence needs a new block and none is free, the scheduler
 **preempts by recompute** (vLLM §4.5): the least important running sequence
-(lowest priority, latest arrival) loses its blocks and goes back to waiting;
-it will prefill its prompt and its output so far again when readmitted.
+(last in queue order) loses its blocks and goes back to waiting; it will
+prefill its prompt and its output so far again when readmitted.
 
-``scheduling="static"`` is the baseline: it forms a batch of up to
-``max_num_seqs`` requests in queue order (arrival order under FCFS; with
-``policy="priority"``, priority first), reserving blocks for their full
-length (so it never preempts), runs it until every member is done, and admits
-nobody meanwhile; a finished member keeps its slot and computes a padding
-token that is thrown away (the engine does that: a rectangular batch cannot shrink).
+``update_from_output()`` is the other half (vLLM V1's name): it takes the model
+runner's sampled tokens and, per sequence, advances ``num_computed_tokens``,
+rolls back rejected drafts, forks n > 1 samples, appends the tokens, applies
+stop strings and ``max_tokens``, and frees the blocks of finished sequences.
+The static baseline (``static_scheduler.py``) changes only ``schedule()``.
 """
 from __future__ import annotations
 
-import bisect
+import time
 from dataclasses import dataclass, field
 
-from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
+from minibatch.engine.request_queue import RequestQueue
+from minibatch.engine.sampler import find_stop
 from minibatch.engine.sequence import Sequence, SequenceStatus
+from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
 
-POLICIES = ("fcfs", "priority")
 ORDERS = ("decode-first", "prefill-first")
-SCHEDULINGS = ("continuous", "static")
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int              # tokens fed to the model this step (chunk, 1, or 1 + k)
+    num_new_tokens: int          # tokens fed to the model this step: a prefill chunk, 1, or 1 + len(spec)
+    num_computed_before: int     # seq.num_computed_tokens when scheduled
     phase: str                   # "prefill", "decode" or "resumed"
-    num_computed_before: int
-    spec_token_ids: list = field(default_factory=list)   # the draft tokens among num_tokens
+    block_table: list = field(default_factory=list)       # its physical blocks, for the model runner
+    spec_token_ids: list = field(default_factory=list)    # the drafts among the new tokens
+
+    @property
+    def input_token_ids(self) -> list:
+        """What the model is fed: the uncomputed tokens of this chunk, then the drafts."""
+        start = self.num_computed_before
+        return self.seq.token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)] + self.spec_token_ids
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the end of the sequence? Then its last 1 + k rows are sampled/verified."""
+        return self.num_computed_before + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq)
 
 
 @dataclass
@@ -56,44 +68,45 @@ class SchedulerOutput:
     admitted: list = field(default_factory=list)         # [Sequence]
     preempted: list = field(default_factory=list)        # [Sequence]
     cow_copies: list = field(default_factory=list)       # (src, dst) blocks to copy before the forward
-    num_padding_slots: int = 0                           # static: finished members holding a slot
+    num_padding_slots: int = 0                           # static batching: finished members holding a slot
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", order: str = "decode-first", scheduling: str = "continuous"):
-        for name, value, allowed in (("policy", policy, POLICIES), ("order", order, ORDERS),
-                                     ("scheduling", scheduling, SCHEDULINGS)):
-            if value not in allowed:
-                raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < allocator.block_size:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than one block "
-                             f"({allocator.block_size} tokens)")
+                 policy: str = "fcfs", order: str = "decode-first"):
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}; choose one of {list(ORDERS)}")
         self.allocator = allocator
-        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
-        self.policy, self.order, self.scheduling = policy, order, scheduling
-        self.waiting: list[Sequence] = []                # kept sorted by policy order
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.policy, self.order = policy, order
+        self.waiting = RequestQueue(policy)
         self.running: list[Sequence] = []
-        self.static_batch: list[Sequence] = []           # static: the batch being run, finished members included
 
-    # -- queues -------------------------------------------------------------
+    # -- queues -------------------------------------------------------------------------
+    def check_request(self, seq: Sequence) -> None:
+        """Raise ValueError for a request that could never run, before it is queued."""
+        need = self.allocator.blocks_needed(len(seq) + seq.params.max_tokens)
+        if need > self.allocator.num_blocks:
+            raise ValueError(f"request {seq.request_id!r} needs {need} blocks even alone, but the cache has only "
+                             f"{self.allocator.num_blocks}: it could never finish")
+        if 1 + seq.num_forks_pending > self.max_num_seqs:
+            raise ValueError(f"request {seq.request_id!r}: n={seq.params.n} exceeds max_num_seqs={self.max_num_seqs}")
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        keys = [s.sort_key(self.policy) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key(self.policy)), seq)
+        self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
         """Take a finished or aborted sequence out and return its blocks."""
-        seq.status = SequenceStatus.FINISHED
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.spec_token_ids, seq.spec_probs = [], None
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -104,119 +117,147 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.allocator.free(seq.seq_id)
         self.running.remove(seq)
-        seq.num_computed, seq.spec_token_ids = 0, []
+        seq.num_computed_tokens, seq.spec_token_ids, seq.spec_probs = 0, [], None
         seq.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
 
-    def _unadmit(self, seq: Sequence, out: SchedulerOutput, budget: list) -> None:
-        """Undo this step's admission of ``seq``: its chunk, its budget and its blocks go back, and it
-        waits again as if never admitted (nothing was computed, so nothing counts as preempted)."""
+    def _unadmit(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Undo this step's admission of ``seq`` (nothing was computed, so it is no preemption);
+        returns the tokens of budget it gives back."""
         k = next(j for j, s in enumerate(out.scheduled) if s.seq is seq)
-        budget[0] += out.scheduled.pop(k).num_tokens
         out.admitted.remove(seq)
         self.allocator.free(seq.seq_id)
         self.running.remove(seq)
-        seq.num_computed = seq.num_cached_prefix = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
         self.add(seq)
+        return out.scheduled.pop(k).num_new_tokens
 
-    # -- one step -------------------------------------------------------------
+    # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = [self.token_budget]                      # a list so the helpers can spend it
-        if self.scheduling == "static":
-            self._schedule_static(out, budget)
-        elif self.order == "prefill-first":
-            self._admit(out, budget)
-            self._schedule_running(out, budget, skip=set(out.admitted))
-        else:
-            self._schedule_running(out, budget, skip=set())
-            self._admit(out, budget)
+        self._fill(out)
+        now = time.perf_counter()
+        for s in out.scheduled:
+            s.block_table = self.allocator.block_table(s.seq.seq_id)
+            if s.seq.request.metrics.first_scheduled_time is None:
+                s.seq.request.metrics.first_scheduled_time = now
         return out
 
-    def _phase(self, seq: Sequence) -> str:
-        if seq.num_uncomputed == 1 and seq.output_ids:
-            return "decode"
-        return "resumed" if seq.num_preemptions and seq.output_ids else "prefill"
+    def _fill(self, out: SchedulerOutput) -> None:
+        """Choose the batch: who runs, with how many tokens (the static baseline overrides this)."""
+        budget = self.max_num_batched_tokens
+        if self.order == "prefill-first":
+            budget = self._admit(out, budget)
+            self._schedule_running(out, budget, skip=set(out.admitted))
+        else:
+            budget = self._schedule_running(out, budget, skip=set())
+            self._admit(out, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list, skip: set, preempt: bool = True) -> None:
-        queue = sorted((s for s in self.running if s not in skip), key=lambda s: s.sort_key(self.policy))
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: set, preempt: bool = True) -> int:
+        queue = sorted((s for s in self.running if s not in skip), key=self.waiting.key)
         i = 0
-        while i < len(queue) and budget[0] > 0:
+        while i < len(queue) and budget > 0:
             seq = queue[i]
-            phase = self._phase(seq)
-            if phase == "decode":
-                spec = seq.spec_token_ids[: budget[0] - 1]
-                try:                                          # slots for the fed token (+ drafts)
-                    out.cow_copies += self.allocator.append_slots(seq.seq_id, [seq.token_ids[-1]] + spec)
+            if seq.num_uncomputed_tokens == 1:                # decode: the last token (+ drafts to verify)
+                spec = seq.spec_token_ids[: budget - 1]
+                try:
+                    out.cow_copies += self.allocator.append_slots(seq.seq_id, 1 + len(spec))
                 except NoFreeBlocksError:
                     if not preempt:
                         raise
                     # the least important among those not yet scheduled and (prefill-first) those admitted
                     # this step: a newcomer must not push out a more important sequence already running
-                    victim = max(queue[i:] + out.admitted, key=lambda s: s.sort_key(self.policy))
+                    victim = max(queue[i:] + out.admitted, key=self.waiting.key)
                     if victim in out.admitted:
-                        self._unadmit(victim, out, budget)
+                        budget += self._unadmit(victim, out)
                     else:
                         queue.remove(victim)
                         self._preempt(victim, out)
                     continue                                  # retry seq (unless it was the victim)
                 n = 1 + len(spec)
             else:                                             # prefill chunk: blocks were allocated at admission
-                spec, n = [], min(seq.num_uncomputed, budget[0])
-            out.scheduled.append(ScheduledSeq(seq, n, phase, seq.num_computed, spec))
-            budget[0] -= n
+                spec, n = [], min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase, spec_token_ids=spec))
+            budget -= n
             i += 1
+        return budget
 
-    def _admit(self, out: SchedulerOutput, budget: list) -> None:
-        while self.waiting and budget[0] > 0:
-            seq = self.waiting[0]
-            seats = 1 + seq.fork_pending                      # n > 1 takes n slots once forked
-            if len(self.running) + seats > self.max_num_seqs:
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        while len(self.waiting) and budget > 0:
+            seq = self.waiting.peek()
+            if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1 takes n seats
                 break
             if not self.allocator.can_allocate(seq.token_ids):
                 break                                         # head of line waits: no starvation under FCFS
             self._start(seq, out)
-            n = min(seq.num_uncomputed, budget[0])
-            out.scheduled.append(ScheduledSeq(seq, n, self._phase(seq), seq.num_computed))
-            budget[0] -= n
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase))
+            budget -= n
+        return budget
 
     def _start(self, seq: Sequence, out: SchedulerOutput) -> None:
         cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
-        seq.num_computed = seq.num_cached_prefix = cached
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         out.admitted.append(seq)
 
-    def _schedule_static(self, out: SchedulerOutput, budget: list) -> None:
-        if all(s.is_finished for s in self.static_batch):   # the whole batch is done: form the next one
-            self.static_batch = []
-            reserved = 0
-            for seq in list(self.waiting):                    # queue order: arrival under FCFS
-                if len(self.static_batch) >= self.max_num_seqs:
-                    break
-                n = 1 + seq.fork_pending
-                need = self.static_reservation(seq)
-                if reserved + need > self.allocator.num_free_blocks or \
-                        len(self.static_batch) + n > self.max_num_seqs:
-                    break
-                reserved += need
-                self._start(seq, out)
-                self.static_batch.append(seq)
-        out.num_padding_slots = sum(s.is_finished for s in self.static_batch)
-        self._schedule_running(out, budget, skip=set(), preempt=False)
+    # -- the results of a step ----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, runner_output) -> tuple[list, list]:
+        """Apply one step's sampled tokens; returns (requests whose output changed, sequences finished)."""
+        changed, finished = {}, []
+        for i, s in enumerate(out.scheduled):
+            seq, toks = s.seq, runner_output.sampled_token_ids[i]
+            n_acc = runner_output.num_accepted[i]
+            # the K/V written this step: the chunk, minus the drafts the target rejected
+            seq.num_computed_tokens = s.num_computed_before + s.num_new_tokens - len(s.spec_token_ids) + n_acc
+            if s.spec_token_ids:
+                self.allocator.truncate(seq.seq_id, seq.num_computed_tokens)    # roll rejected drafts back
+                seq.spec_stats.add(len(s.spec_token_ids), n_acc, len(toks))
+            seq.spec_token_ids, seq.spec_probs = [], None
+            if not toks:                                      # mid-prefill: nothing sampled yet
+                self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
+                continue
+            if seq.num_forks_pending:                         # n > 1: the prompt is done, fork the samples
+                finished += self._fork(seq, runner_output.forked_token_ids[i])
+            finished += self._append(seq, toks)
+            changed[seq.request_id] = seq.request
+        now = time.perf_counter()
+        for req in changed.values():
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.finished and req.metrics.finished_time is None:
+                req.metrics.finished_time = now
+        return list(changed.values()), finished
 
-    def static_reservation(self, seq: Sequence) -> int:
-        """Blocks a static batch sets aside for ``seq`` at its full length: its own prompt + max_tokens,
-        and for each of its n - 1 forks everything but the full prompt blocks they share."""
-        a = self.allocator
-        whole = a.blocks_needed(len(seq.prompt_ids) + seq.params.max_tokens)
-        return whole + seq.fork_pending * (whole - len(seq.prompt_ids) // a.block_size)
+    def _append(self, seq: Sequence, toks: list) -> list:
+        """Append sampled tokens (up to max_tokens), cache the computed blocks, apply stop strings."""
+        seq.token_ids += toks[: seq.params.max_tokens - seq.num_output_tokens]
+        self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
+        cut = find_stop(seq.output_token_ids, seq.params.stop)
+        if cut is not None:
+            del seq.token_ids[seq.num_prompt_tokens + cut:]
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.params.max_tokens:
+            self.finish(seq, "length")
+        return [seq] if seq.is_finished else []
 
-    def on_fork(self, child: Sequence) -> None:
-        """A parallel-sampling child joins the running set (and the static batch)."""
-        child.status = SequenceStatus.RUNNING
+    def _fork(self, parent: Sequence, first_tokens: list) -> list:
+        """Parallel sampling: n - 1 children share every block of the parent's computed prompt (§4.4);
+        each starts with its own first token, sampled from the same logits. Returns those finished."""
+        req, finished = parent.request, []
+        for i, tok in enumerate(first_tokens, start=1):
+            child = Sequence(f"{req.request_id}.{i}", req, i, list(parent.token_ids),
+                             status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
+                             num_cached_tokens=parent.num_cached_tokens)
+            self.allocator.fork(parent.seq_id, child.seq_id)          # ref counts up, copy-on-write later
+            req.seqs.append(child)
+            self._on_fork(child)
+            finished += self._append(child, [tok])
+        parent.num_forks_pending = 0
+        return finished
+
+    def _on_fork(self, child: Sequence) -> None:
         self.running.append(child)
-        if self.scheduling == "static":
-            self.static_batch.append(child)

@@ -67,10 +67,11 @@ class CacheEntry:
 
 @dataclass
 class _Seq:
+    """What the allocator knows of a sequence: blocks only. Its tokens and how many are computed belong to
+    the engine's ``Sequence``, which passes them in when the allocator needs them (to hash full blocks)."""
     blocks: list                             # block table: logical block i -> physical block id
-    tokens: list                             # the tokens it holds slots for
-    num_computed: int = 0                    # leading tokens whose KV is written
-    chain: list = field(default_factory=list)  # (hash, serial) of its leading computed full blocks
+    num_slots: int                           # token slots it holds (its tokens, drafts included)
+    chain: list = field(default_factory=list)  # (hash, serial) of its leading cached full blocks
 
 
 def _as_tokens(token_ids, what: str) -> list:
@@ -121,14 +122,13 @@ class BlockAllocator:
     def block_table(self, seq_id) -> list:
         return list(self._get(seq_id).blocks)
 
-    def num_tokens(self, seq_id) -> int:
-        return len(self._get(seq_id).tokens)
+    def num_slots(self, seq_id) -> int:
+        """Token slots the sequence holds (block_table covers exactly blocks_needed(num_slots))."""
+        return self._get(seq_id).num_slots
 
-    def token_ids(self, seq_id) -> list:
-        return list(self._get(seq_id).tokens)
-
-    def num_computed(self, seq_id) -> int:
-        return self._get(seq_id).num_computed
+    def num_cached_blocks(self, seq_id) -> int:
+        """Its leading full blocks registered in the prefix cache (or hashed, with caching off: 0)."""
+        return len(self._get(seq_id).chain)
 
     def ref_count(self, block_id: int) -> int:
         if not isinstance(block_id, numbers.Integral) or not 0 <= block_id < self.num_blocks:
@@ -153,7 +153,7 @@ class BlockAllocator:
 
     def snapshot(self) -> dict:
         """Everything, as plain data: equal snapshots mean equal allocators (tests use it)."""
-        return {"seqs": {k: (list(s.blocks), list(s.tokens), s.num_computed, list(s.chain))
+        return {"seqs": {k: (list(s.blocks), s.num_slots, list(s.chain))
                          for k, s in self._seqs.items()},
                 "ref": list(self._ref), "free": list(self._free), "cache": dict(self._cache),
                 "entries": dict(self._entries), "serial": self._next_serial,
@@ -237,17 +237,21 @@ class BlockAllocator:
             self.queries += (len(tokens) - 1) // self.block_size
             self.hits += len(hits)
         n_cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Seq(blocks, tokens, n_cached, [(h, s) for _, h, s in hits])
+        self._seqs[seq_id] = _Seq(blocks, len(tokens), [(h, s) for _, h, s in hits])
         return n_cached
 
-    def append_slots(self, seq_id, new_token_ids) -> list:
-        """Grow by these tokens; returns the copy-on-write (src, dst) block pairs to copy before writing."""
+    def append_slots(self, seq_id, num_new_tokens: int) -> list:
+        """Grow by ``num_new_tokens`` slots; returns the copy-on-write (src, dst) block pairs to copy first.
+
+        (vLLM's ``allocate_slots(request, num_new_tokens)``: the allocator needs a count, not the tokens.)"""
         s = self._get(seq_id)
-        new = _as_tokens(new_token_ids, "new_token_ids")
+        new = _as_count(num_new_tokens, "num_new_tokens")
+        if new < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {new}")
         if not new:
             return []
-        n_old = len(s.tokens)
-        grow = self.blocks_needed(n_old + len(new)) - len(s.blocks)
+        n_old = s.num_slots
+        grow = self.blocks_needed(n_old + new) - len(s.blocks)
         last = s.blocks[-1] if n_old % self.block_size else None     # partly filled: we write into it
         cow = last is not None and self._ref[last] > 1
         if grow + cow > len(self._free):
@@ -261,37 +265,40 @@ class BlockAllocator:
         elif last is not None:
             self._evict(last)      # private but still cached (after a truncate): its content changes now
         s.blocks += [self._take_fresh() for _ in range(grow)]
-        s.tokens += new
+        s.num_slots += new
         return pairs
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens (rejected speculative tokens go); release spare blocks."""
         s = self._get(seq_id)
         n = _as_count(num_tokens, "num_tokens")
-        if not 0 <= n <= len(s.tokens):
-            raise ValueError(f"cannot truncate sequence {seq_id!r} of {len(s.tokens)} tokens to {n}")
+        if not 0 <= n <= s.num_slots:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of {s.num_slots} slots to {n}")
         keep = self.blocks_needed(n)
         self._release(s.blocks[keep:])
-        del s.blocks[keep:], s.tokens[n:], s.chain[n // self.block_size:]
-        s.num_computed = min(s.num_computed, n)
+        del s.blocks[keep:], s.chain[n // self.block_size:]
+        s.num_slots = n
 
-    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
-        """The KV of the first ``num_computed_tokens`` is written: register its full blocks in the cache."""
+    def mark_computed(self, seq_id, num_computed_tokens: int, token_ids) -> None:
+        """The K/V of the first ``num_computed_tokens`` of ``token_ids`` (the sequence's tokens) is written:
+        register its full blocks in the prefix cache. Only computed blocks are ever shared."""
         s = self._get(seq_id)
         n = _as_count(num_computed_tokens, "num_computed_tokens")
-        if not s.num_computed <= n <= len(s.tokens):
-            raise ValueError(f"sequence {seq_id!r}: num_computed_tokens must be in {s.num_computed}.."
-                             f"{len(s.tokens)} (computed so far .. tokens held), got {n}")
-        s.num_computed = n
+        if not 0 <= n <= min(s.num_slots, len(token_ids)):
+            raise ValueError(f"sequence {seq_id!r}: num_computed_tokens must be in 0..{s.num_slots} (the slots "
+                             f"it holds) and at most len(token_ids) = {len(token_ids)}, got {n}")
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        while len(s.chain) < n // bs:                     # only computed blocks are ever shared
+        while len(s.chain) < n // bs:
             i = len(s.chain)
-            chunk, block = tuple(s.tokens[i * bs:(i + 1) * bs]), s.blocks[i]
+            chunk, block = tuple(token_ids[i * bs:(i + 1) * bs]), s.blocks[i]
             parent_hash, parent_serial = s.chain[-1] if s.chain else (None, None)
             h = hash_block_tokens(parent_hash, chunk)
             e = self._entries.get(block)       # set already: a prefix hit, or a block shared by fork
+            if e is not None and e.tokens != chunk:
+                raise ValueError(f"sequence {seq_id!r}: block {block} is cached as holding {list(e.tokens)}, but "
+                                 f"token_ids has {list(chunk)} there: pass the sequence's own tokens")
             if e is None and h in self._cache:
                 e = self._entries[self._cache[h]]           # same content already cached in another block
                 if e.tokens != chunk or e.parent_serial != parent_serial:
@@ -313,7 +320,7 @@ class BlockAllocator:
         self._check_new_id(child_id)
         for b in p.blocks:
             self._ref[b] += 1
-        self._seqs[child_id] = _Seq(list(p.blocks), list(p.tokens), p.num_computed, list(p.chain))
+        self._seqs[child_id] = _Seq(list(p.blocks), p.num_slots, list(p.chain))
 
     # -- invariants -------------------------------------------------------------------
     def check_invariants(self, live_seq_ids=None) -> None:
@@ -322,14 +329,13 @@ class BlockAllocator:
             assert set(live_seq_ids) == set(self._seqs), \
                 f"live sequences {sorted(map(str, live_seq_ids))} != allocated {sorted(map(str, self._seqs))}"
         for sid, s in self._seqs.items():
-            assert len(s.blocks) == self.blocks_needed(len(s.tokens)), \
-                f"{sid!r}: {len(s.blocks)} blocks for {len(s.tokens)} tokens"
+            assert len(s.blocks) == self.blocks_needed(s.num_slots), \
+                f"{sid!r}: {len(s.blocks)} blocks for {s.num_slots} slots"
             assert len(set(s.blocks)) == len(s.blocks), f"{sid!r}: a block twice in one table {s.blocks}"
-            assert len(s.chain) * bs <= s.num_computed <= len(s.tokens), f"{sid!r}: computed count broken"
+            assert len(s.chain) * bs <= s.num_slots, f"{sid!r}: more cached blocks than full blocks"
             for i, b in enumerate(s.blocks):
                 counts[b] += 1
-                e, held = self._entries.get(b), tuple(s.tokens[i * bs:(i + 1) * bs])
-                assert e is None or e.tokens[:len(held)] == held, f"{sid!r}: block {b} differs from its entry"
+                e = self._entries.get(b)
                 assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
         assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
         free = [b for b in range(self.num_blocks) if counts[b] == 0]

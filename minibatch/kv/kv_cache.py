@@ -95,7 +95,9 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
     """slots[T] int64 of the new tokens: sequence b's positions starts[b] .. starts[b] + counts[b] - 1.
 
     T = sum(counts), in batch order. Every position must fall inside the blocks
-    its table holds (the allocator gave them out before this step).
+    its table holds (the allocator gave them out before this step). Plain Python
+    over the positions, then one tensor: a step has few new tokens, and many small
+    tensor ops would cost more than the arithmetic.
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -109,12 +111,12 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
         if -(-(start + count) // block_size) > len(table):
             raise ValueError(f"sequence {b}: positions up to {start + count - 1} need "
                              f"{-(-(start + count) // block_size)} blocks, its block table has {len(table)}")
-        pos = torch.arange(start, start + count)
-        blocks = torch.tensor(list(table), dtype=torch.int64)[pos // block_size] if count else pos
-        if count and int(blocks.min()) < 0:
+        used = table[start // block_size: -(-(start + count) // block_size)]
+        if count and min(used) < 0:
             raise ValueError(f"sequence {b}: block table {list(table)} has a negative block id")
-        out.append(blocks * block_size + pos % block_size)
-    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)).to(device)
+        # position p -> physical block table[p // bs], offset p % bs
+        out += [table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+    return torch.tensor(out, dtype=torch.int64, device=device)
 
 
 def block_table_tensor(block_tables, device="cpu") -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -139,24 +139,48 @@ class GPT(nn.Module):
         return self.wte.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
-                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_indices: Optional[torch.Tensor] = None, hidden_states: Sequence = (),
+                exit_layer: Optional[int] = None):
         """input_ids[T], positions[T] -> logits[N, V] for the rows ``logits_indices`` (all T if None).
 
         An engine needs logits only at each sequence's last new token (or at the
         k+1 verified positions under speculation), so it passes those indices and
         the output head, the biggest matmul here, runs on N rows instead of T.
+
+        Two options serve speculative decoding, and leave the default call as it was:
+        * ``hidden_states``: also return ``{i: [N, C]}`` at the same rows, where i counts blocks run
+          (0 = the embeddings, i = the output of block i - 1, as Hugging Face numbers them) or is
+          ``"final"``, the normalised state that feeds the LM head (what Medusa heads and EAGLE read).
+        * ``exit_layer`` = E: run only the first E blocks, then ln_f and the shared LM head (the
+          early-exit draft of LayerSkip, Elhoushi et al. 2024, §3). Their K/V are the target's own.
+        Returns logits, or (logits, hidden dict) when ``hidden_states`` is given.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"expected flat input_ids[T] and positions[T]; got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
-        if positions.numel() and int(positions.max()) >= self.config.n_ctx:
+        if positions.numel() and positions.device.type == "cpu" and int(positions.max()) >= self.config.n_ctx:
             raise ValueError(f"position {int(positions.max())} is past the context length {self.config.n_ctx}")
+        n_run = self.config.n_layer if exit_layer is None else exit_layer
+        if not 0 <= n_run <= self.config.n_layer:
+            raise ValueError(f"exit_layer must lie in 0..{self.config.n_layer}, got {exit_layer!r}")
         x = self.wte(input_ids) + self.wpe(positions)            # [T, C]
-        for i, block in enumerate(self.h):
-            x = block(x, i, attn)
+        want, kept = set(hidden_states), {}
+        for i in range(n_run):
+            if i in want:
+                kept[i] = x
+            x = self.h[i](x, i, attn)
+        if n_run in want:
+            kept[n_run] = x
         if logits_indices is not None:
             x = x[logits_indices]                                 # [N, C]
-        return self.ln_f(x) @ self.wte.weight.t()                 # tied head -> [N, V]
+            kept = {i: h[logits_indices] for i, h in kept.items()}
+        x = self.ln_f(x)
+        logits = x @ self.wte.weight.t()                          # tied head -> [N, V]
+        if not hidden_states:
+            return logits
+        if "final" in want:
+            kept["final"] = x
+        return logits, kept
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

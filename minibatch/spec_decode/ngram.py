@@ -5,7 +5,7 @@ propose what followed them. No model, no probabilities (q is one-hot), so its co
 """
 from __future__ import annotations
 
-from minibatch.spec_decode.proposer import decode_ready, proposal_budget
+from minibatch.spec_decode.proposer import Proposer, proposal_budget
 
 
 def check_ngram_sizes(n_min: int, n_max: int) -> None:
@@ -37,21 +37,14 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
+    method = "ngram"
+
     def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
         check_ngram_sizes(n_min, n_max)                    # now, not at the first step
-        self.k, self.n_max, self.n_min = k, n_max, n_min
+        super().__init__(k)
+        self.n_max, self.n_min = n_max, n_min
 
-    def propose_for(self, running) -> None:
-        for seq in running:
-            if decode_ready(seq):
-                seq.spec_token_ids = ngram_propose(seq.token_ids, proposal_budget(seq, self.k), self.n_max, self.n_min)
-
-    def draft_probs(self, seqs, k):
-        return None                                        # one-hot drafts
-
-    def on_verified(self, seq, num_valid: int) -> None:
-        pass
-
-    def free(self, seq) -> None:
-        pass
+    def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
+        for seq in seqs:                                   # q is one-hot: spec_probs stays None
+            seq.spec_token_ids = ngram_propose(seq.token_ids, proposal_budget(seq, self.k), self.n_max, self.n_min)

@@ -1,0 +1,124 @@
+"""The model runner: one flat batch in, one forward, sampled (or verified) tokens out.
+
+``execute(scheduler_output)`` does, in order (vLLM V1's ``GPUModelRunner.execute_model``):
+
+1. copy-on-write copies the scheduler asked for (a shared block about to be written);
+2. **prepare inputs**: concatenate every scheduled sequence's new tokens into
+   ``input_ids[T]``; ``AttentionMetadata.build`` makes the slot mapping, block
+   tables, ``seq_lens``, ``query_start_loc`` and the ``positions[T]``; and
+   ``logits_indices[N]`` picks the rows that need logits: the last row of a
+   sequence whose chunk reaches its end, or its last 1 + k rows when k drafts are
+   verified;
+3. **run the model** once (asking for hidden states when the proposer reads them);
+4. **sample**: one token per plain row (``Sampler``), or the rejection sampler over
+   1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and
+   adds one token of the target's own.
+
+It returns a ``ModelRunnerOutput`` and changes no sequence: the scheduler's
+``update_from_output`` owns that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from minibatch.engine.sampler import Sampler, probabilities
+from minibatch.kv.attention import AttentionMetadata, PagedAttention
+from minibatch.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: list                  # [B] lists, batch order: tokens to append ([] mid-prefill)
+    num_accepted: list                       # [B] drafts the target accepted (0 without drafts)
+    forked_token_ids: list                   # [B] lists: n > 1, each child's first token (else [])
+    hidden_states: dict = field(default_factory=dict)   # {layer: [N, C]} a proposer asked for, at logits rows
+    logits_rows: list = field(default_factory=list)     # [B] lists: sequence b's rows of the N logits rows
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
+                 scratch_block: Optional[int] = None, hidden_states: tuple = ()):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.attention_backend = attention_backend
+        self.sampler = Sampler(seed)
+        self.scratch_block = scratch_block   # static batching: padding rows write here, outside the pool
+        self.hidden_states = tuple(hidden_states)
+
+    @torch.no_grad()
+    def execute(self, out) -> ModelRunnerOutput:
+        if out.cow_copies:
+            self.kv_cache.copy_blocks(out.cow_copies)
+        input_ids, attn, logits_idx, rows = self._prepare_inputs(out.scheduled, out.num_padding_slots)
+        dev = self.model.device
+        result = self.model(torch.tensor(input_ids, device=dev), attn.metadata.positions, attn,
+                            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+                            hidden_states=self.hidden_states)
+        logits, hidden = result if self.hidden_states else (result, {})
+        sampled, accepted, forked = self._sample(out.scheduled, logits.float(), rows)
+        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows)
+
+    def _prepare_inputs(self, scheduled, num_padding: int = 0):
+        """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
+        each sequence's rows among the N."""
+        input_ids, logits_idx, rows = [], [], []
+        for s in scheduled:
+            input_ids += s.input_token_ids
+            n_rows = 1 + len(s.spec_token_ids) if s.samples else 0     # verify 1 + k positions, or none
+            rows.append(list(range(len(logits_idx), len(logits_idx) + n_rows)))
+            logits_idx += range(len(input_ids) - n_rows, len(input_ids))
+        tables = [s.block_table for s in scheduled]
+        computed = [s.num_computed_before for s in scheduled]
+        new = [s.num_new_tokens for s in scheduled]
+        bs = self.block_size
+        for i in range(num_padding):          # static batching's idle slots: row i is token 0 at scratch
+            input_ids.append(0)               # slot i, attending to the padding rows before it in its block
+            tables.append([self.scratch_block + i // bs])
+            computed.append(i % bs)
+            new.append(1)
+        meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device)
+        return input_ids, PagedAttention(self.kv_cache, meta, self.attention_backend), logits_idx, rows
+
+    def _sample(self, scheduled, logits: torch.Tensor, rows: list):
+        """Per sequence: the tokens to append, the drafts accepted, and (n > 1) the children's first tokens."""
+        B = len(scheduled)
+        sampled, accepted, forked = [[] for _ in range(B)], [0] * B, [[] for _ in range(B)]
+        plain = [b for b in range(B) if rows[b] and not scheduled[b].spec_token_ids]
+        verify = [b for b in range(B) if rows[b] and scheduled[b].spec_token_ids]
+        if plain:
+            toks = self.sampler(logits[[rows[b][0] for b in plain]], [scheduled[b].seq.params for b in plain],
+                                [scheduled[b].seq.generator for b in plain])
+            for b, t in zip(plain, toks):
+                sampled[b] = [t]
+        if verify:
+            for b, toks, n in zip(verify, *self._verify([scheduled[b] for b in verify], logits,
+                                                        [rows[b] for b in verify])):
+                sampled[b], accepted[b] = toks, n
+        for b in plain:                       # n > 1: every child draws its first token from the same logits
+            seq = scheduled[b].seq
+            for i in range(1, seq.num_forks_pending + 1):
+                forked[b] += self.sampler(logits[rows[b][0]][None], [seq.params], [seq.request.generators[i]])
+        return sampled, accepted, forked
+
+    def _verify(self, batch, logits, rows):
+        """Speculative decoding: accept a prefix of the drafts, plus one target token (Leviathan et al. §2.3).
+
+        drafts [B, k] (-1 past a row's own k_b), q [B, k, V] from the proposer (None: one-hot drafts), the
+        target's p [B, k + 1, V] at the verified rows; returns (tokens per row, drafts accepted per row)."""
+        k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
+        drafts = torch.full((B, k), -1, dtype=torch.long)
+        target = torch.zeros(B, k + 1, V)
+        q = None if all(s.seq.spec_probs is None for s in batch) else torch.zeros(B, k, V)
+        for b, (s, r) in enumerate(zip(batch, rows)):
+            n = len(s.spec_token_ids)
+            drafts[b, :n] = torch.tensor(s.spec_token_ids, dtype=torch.long)
+            target[b, :n + 1] = probabilities(logits[r].cpu(), s.seq.params)
+            if q is not None:
+                q[b, :n] = s.seq.spec_probs[:n]
+        toks, n_acc = rejection_sample(drafts, q, target, [s.seq.generator for s in batch],
+                                       num_draft_tokens=[len(s.spec_token_ids) for s in batch],
+                                       greedy=[s.seq.params.greedy for s in batch])
+        n_acc = n_acc.tolist()
+        return [row[:a + 1] for row, a in zip(toks.tolist(), n_acc)], n_acc

@@ -1,0 +1,276 @@
+"""Paged attention backends: the same answer three ways, and the checks they share.
+
+Every backend reads the step's K/V from the paged cache (this step's own K/V are
+stored there first), position p of sequence b living in physical block
+``block_tables[b, p // block_size]`` at offset ``p % block_size``, and computes
+causal attention with a context offset: query i of sequence b sits at position
+``seq_lens[b] - q_len_b + i``. Grouped-query attention: query head h reads kv head
+``h // (H // Hkv)``.
+
+  "loop"    -- the teaching version: one sequence at a time, gather its K/V through its block table
+               into a contiguous [L, Hkv, D], then a plain masked softmax. Read this one first.
+  "batched" -- the fast default: the rows are split into decodes (q_len 1) and the rest (prefill,
+               chunks, verification), and each group is gathered at once into padded
+               [G, L, Hkv, D] and handed to ``scaled_dot_product_attention`` with one mask. What it
+               derives from the metadata (gather indices, masks) is built once per step, not per layer.
+  "triton"  -- ``kernels.paged_attention``: reads blocks in place with an online softmax.
+
+The public functions (``store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``) check
+their inputs, so a student or a test calling one directly gets a clear error. Inside the engine the
+metadata was checked once by ``AttentionMetadata.build``, so ``get(backend)`` hands out the unchecked
+bodies unless debug checks are on.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+# -- checks: one clear error before anything is written ------------------------------
+def _check_cache(key_cache, value_cache, who):
+    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a tensor, got {type(x).__name__}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"{who}: key_cache and value_cache must both be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.dtype != value_cache.dtype or key_cache.device != value_cache.device:
+        raise TypeError(f"{who}: key_cache and value_cache differ in dtype or device")
+
+
+def check_metadata(block_tables, seq_lens, query_start_loc, num_blocks, block_size, T, device, who):
+    named = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{who}: {name} must be int32 or int64, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{who}: {name} is on {x.device}, the cache on {device}")
+    B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or query_start_loc.shape != (B + 1,):
+        raise ValueError(f"{who}: want block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got "
+                         f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}")
+    qsl, sl = query_start_loc.long(), seq_lens.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    n_used = (sl.clamp(min=0) + block_size - 1) // block_size             # blocks each sequence reads
+    used = torch.arange(block_tables.shape[1], device=device)[None] < n_used[:, None]
+    bt = block_tables.long()
+    if int(qsl[0]) != 0 or int(qsl[-1]) != T:
+        raise ValueError(f"{who}: query_start_loc must run from 0 to T = {T}, got {qsl.tolist()}")
+    if bool((q_lens < 0).any()) or bool((sl < q_lens).any()):
+        raise ValueError(f"{who}: need non-decreasing query_start_loc and seq_lens >= query lengths "
+                         f"(seq_lens counts this step's tokens too); got {sl.tolist()}, {qsl.tolist()}")
+    if B and int(n_used.max()) > block_tables.shape[1]:
+        raise ValueError(f"{who}: seq_lens {sl.tolist()} need more blocks than block_tables has columns "
+                         f"({block_tables.shape[1]})")
+    if bool((used & ((bt < 0) | (bt >= num_blocks))).any()):
+        raise ValueError(f"{who}: a block table entry a sequence reads is outside 0..{num_blocks - 1}")
+
+
+def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who):
+    _check_cache(key_cache, value_cache, who)
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError(f"{who}: query must be a tensor [T, H, D]")
+    N, bs, Hkv, D = key_cache.shape
+    if query.shape[2] != D or query.shape[1] % Hkv:
+        raise ValueError(f"{who}: query [T, H={query.shape[1]}, D={query.shape[2]}] does not fit a cache of "
+                         f"{Hkv} kv heads of dim {D} (H must be a multiple of Hkv)")
+    if query.dtype != key_cache.dtype or query.device != key_cache.device:
+        raise TypeError(f"{who}: query is {query.dtype} on {query.device}, the cache {key_cache.dtype} "
+                        f"on {key_cache.device}; they must match")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"{who}: scale must be a finite number, got {scale!r}")
+    check_metadata(block_tables, seq_lens, query_start_loc, N, bs, query.shape[0], query.device, who)
+
+
+# -- store ------------------------------------------------------------------------------
+def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """key, value [T, Hkv, D] -> cache slot slot_mapping[t] (in place); slot -1 is skipped."""
+    who = "store_kv_torch"
+    _check_cache(key_cache, value_cache, who)
+    N, bs, Hkv, D = key_cache.shape
+    for name, x in (("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != (Hkv, D) or x.dim() != 3:
+            raise ValueError(f"{who}: {name} must be [T, {Hkv}, {D}] to fit the cache")
+        if x.dtype != key_cache.dtype or x.device != key_cache.device:
+            raise TypeError(f"{who}: {name} is {x.dtype} on {x.device}, the cache {key_cache.dtype} "
+                            f"on {key_cache.device}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (key.shape[0],) \
+            or value.shape[0] != key.shape[0] or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{who}: slot_mapping must be an int tensor [T] with T = {key.shape[0]} for key and value")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"{who}: the caches must be contiguous (a flat [slots] view must alias them)")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if bool((slot_mapping < -1).any()) or bool((slots >= N * bs).any()):
+        raise ValueError(f"{who}: a slot is outside -1..{N * bs - 1} (num_blocks * block_size)")
+    if slots.unique().numel() != slots.numel():
+        raise ValueError(f"{who}: two tokens map to one slot")
+    _store(key[keep], value[keep], key_cache, value_cache, slots)
+
+
+def _store(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The store itself, on slots already checked (AttentionMetadata.build makes none that is -1)."""
+    N, bs, Hkv, D = key_cache.shape
+    key_cache.view(N * bs, Hkv, D).index_copy_(0, slot_mapping, key)
+    value_cache.view(N * bs, Hkv, D).index_copy_(0, slot_mapping, value)
+
+
+# -- attend: the teaching version (backend "loop") ---------------------------------------------------------
+def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    """query [T, H, D] -> out [T, H, D]; one sequence at a time, gathered through its block table."""
+    _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                     "paged_attention_loop")
+    return _loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    T, H, D = query.shape
+    N, bs, Hkv, _ = key_cache.shape
+    out = torch.zeros_like(query)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, L in enumerate(lens):
+        s, e = qsl[b], qsl[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        blocks = block_tables[b, :-(-L // bs)].long()                  # its physical blocks, in logical order
+        k = key_cache[blocks].reshape(-1, Hkv, D)[:L].float()          # [L, Hkv, D]: positions 0..L-1
+        v = value_cache[blocks].reshape(-1, Hkv, D)[:L].float()
+        k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # [L, H, D]: head h -> kv head h // G
+        scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale   # [H, n, L]
+        q_pos = torch.arange(L - n, L, device=query.device)[:, None]  # its queries are the last n positions
+        causal = torch.arange(L, device=query.device)[None, :] <= q_pos  # [n, L]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
+    return out
+
+
+# -- attend: the fast default (backend "batched") -------------------------------------------------------------
+def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    """Same as paged_attention_loop, for the whole batch at once (two groups: decodes and the rest)."""
+    _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                     "paged_attention_batched")
+    from minibatch.kv.attention import AttentionMetadata
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    md = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, 0, 0, None,
+                           lens, [e - s for s, e in zip(qsl[:-1], qsl[1:])])
+    return _batched(query, key_cache, value_cache, md, scale)
+
+
+def _plan(md, block_size: int, device) -> list:
+    """Once per step: for each group of rows, the gather slots [G, L], which of them are real context
+    [G, L], the flat query rows [G, Q] and the mask [G, 1, Q, L] (causal with each row's offset)."""
+    key = ("batched", block_size, str(device))
+    if key in md.plan:
+        return md.plan[key]
+    q_lens, s_lens = md.query_lens_list, md.seq_lens_list
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    groups = []
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    rest = [b for b, n in enumerate(q_lens) if n > 1]
+    for rows in (decodes, rest):
+        if not rows:
+            continue
+        L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
+        r = torch.tensor(rows, device=device)
+        sl = torch.tensor([s_lens[b] for b in rows], device=device)               # [G]
+        ql = torch.tensor([q_lens[b] for b in rows], device=device)               # [G]
+        j = torch.arange(L, device=device)
+        valid = j[None] < sl[:, None]                                             # [G, L]
+        bt = md.block_tables.to(device)[r].long()                                 # [G, W]
+        col = (j // block_size).clamp(max=bt.shape[1] - 1)
+        slots = (bt[:, col].clamp(min=0) * block_size + j % block_size) * valid   # [G, L]; padding -> slot 0
+        i = torch.arange(Q, device=device)
+        q_valid = i[None] < ql[:, None]                                           # [G, Q]
+        q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
+        q_pos = (sl - ql)[:, None] + i[None]                                      # [G, Q]
+        mask = valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])        # [G, Q, L]
+        in_order = rows == list(range(len(q_lens))) and Q == 1                    # all decodes, batch order
+        groups.append((slots, valid[..., None, None], q_rows, q_valid, mask[:, None], in_order))
+    md.plan[key] = groups
+    return groups
+
+
+def _batched(query, key_cache, value_cache, md, scale):
+    T, H, D = query.shape
+    N, bs, Hkv, _ = key_cache.shape
+    if T == 0:
+        return torch.zeros_like(query)
+    # CPU matmuls in half precision are slow or missing: compute in float32 there, natively on a GPU
+    dt = torch.float32 if query.device.type == "cpu" else query.dtype
+    flat_k, flat_v = key_cache.view(N * bs, Hkv, D), value_cache.view(N * bs, Hkv, D)
+    out = None
+    for slots, valid, q_rows, q_valid, mask, in_order in _plan(md, bs, query.device):
+        # padding slots may hold NaN or another sequence's K/V: zero them, since a masked 0 * NaN is NaN
+        k = torch.where(valid, flat_k[slots], 0).to(dt).transpose(1, 2)          # [G, Hkv, L, D]
+        v = torch.where(valid, flat_v[slots], 0).to(dt).transpose(1, 2)
+        q = query[q_rows].to(dt).transpose(1, 2)                                  # [G, H, Q, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=H != Hkv).transpose(1, 2)   # [G, Q, H, D]
+        if in_order:
+            return o[:, 0].to(query.dtype)                                        # [T, H, D] already
+        if out is None:
+            out = torch.empty_like(query)
+        out[q_rows[q_valid]] = o[q_valid].to(query.dtype)
+    return out
+
+
+# -- triton -------------------------------------------------------------------------------------------------------
+def _triton_store(key, value, key_cache, value_cache, slot_mapping):
+    from kernels.store_kv import launch_store_kv
+    launch_store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _triton_attend(query, key_cache, value_cache, md, scale):
+    from kernels.paged_attention import _launch
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    return _launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                   scale, md.max_query_len, out)
+
+
+def _checked(fn):
+    """A backend body that re-checks its inputs on every call (debug checks)."""
+    def attend(query, key_cache, value_cache, md, scale):
+        return fn(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    return attend
+
+
+def get(backend: str, checked: bool = False):
+    """(store, attend) of a backend; attend(query, key_cache, value_cache, metadata, scale) -> [T, H, D]."""
+    if backend == "triton":
+        try:
+            import kernels                        # lazily: the other backends need no Triton
+        except ImportError as e:
+            raise ImportError(f"the 'triton' backend needs the kernels package and Triton: {e}") from e
+        if checked:
+            return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
+                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s)
+        return _triton_store, _triton_attend
+    if checked:
+        attend = paged_attention_loop if backend == "loop" else paged_attention_batched
+        return store_kv_torch, _checked(attend)
+    if backend == "loop":
+        return _store, lambda q, kc, vc, md, s: _loop(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s)
+    return _store, _batched
+
+
+def check_layer_inputs(c, md, q, k, v) -> None:
+    """Debug checks of one layer's q, k, v against the cache (off by default: the model makes them)."""
+    T = md.slot_mapping.shape[0]
+    if q.dim() != 3 or q.shape[0] != T or q.shape[2] != c.head_dim or q.shape[1] % c.num_kv_heads:
+        raise ValueError(f"PagedAttention: q must be [T={T}, H, D={c.head_dim}] with H a multiple of "
+                         f"num_kv_heads={c.num_kv_heads}, got {tuple(q.shape)}")
+    want = (T, c.num_kv_heads, c.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"PagedAttention: k and v must be {list(want)}, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype == c.dtype or not q.device == k.device == v.device == c.device:
+        raise TypeError(f"PagedAttention: q/k/v are {q.dtype}/{k.dtype}/{v.dtype} on {q.device}, the cache "
+                        f"{c.dtype} on {c.device}; they must match")
