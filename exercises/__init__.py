@@ -58,8 +58,7 @@ BY_PART = {p.part: p for p in PIECES.values()}
 # so patching minibatch.kv.kv_cache alone would not reach the call in AttentionMetadata.build).
 CALL_SITES = {
     "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.attention", "_slot_mapping")],
-    "paged_attention": [("minibatch.kv.backends", "paged_attention_loop"), ("minibatch.kv.backends", "_loop")],
-                                                                                   # the "loop" backend
+    "paged_attention": [("minibatch.kv.backends", "paged_attention_loop")],     # the "loop" backend
     "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],

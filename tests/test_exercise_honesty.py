@@ -153,15 +153,16 @@ def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
+    import minibatch.engine.model_runner as model_runner
+    import minibatch.engine.sampler as sampler
     import minibatch.kv.attention as attention
-    import minibatch.engine.engine as engine
+    import minibatch.kv.backends as backends
     import minibatch.kv.kv_cache as kv_cache
     import minibatch.spec_decode.ngram as ngram
-    import minibatch.engine.sampler as sampler
     import minibatch.spec_decode.rejection_sampler as speculative
-    sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (attention, "paged_attention_torch"),
-             (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"), (engine, "rejection_sample"),
-             (ngram, "ngram_propose")]
+    sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (backends, "paged_attention_loop"),
+             (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"),
+             (model_runner, "rejection_sample"), (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
     with exercises.patch_engine("all") as patch:

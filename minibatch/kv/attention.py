@@ -81,8 +81,8 @@ class AttentionMetadata:
                    lens, list(num_new), max((max(t) for t in block_tables if len(t)), default=-1))
 
 
-def debug_checks() -> bool:
-    return os.environ.get("MINIBATCH_DEBUG_CHECKS", "") not in ("", "0")
+# read once: the engine builds a PagedAttention every step
+DEBUG_CHECKS = os.environ.get("MINIBATCH_DEBUG_CHECKS", "") not in ("", "0")
 
 
 class PagedAttention:
@@ -93,7 +93,7 @@ class PagedAttention:
         check_backend(backend)
         if not isinstance(kv_cache, KVCache) or not isinstance(metadata, AttentionMetadata):
             raise TypeError("PagedAttention(kv_cache: KVCache, metadata: AttentionMetadata, backend)")
-        self.debug = debug_checks() if debug is None else bool(debug)
+        self.debug = DEBUG_CHECKS if debug is None else bool(debug)
         if self.debug or metadata.block_tables.device != kv_cache.device:
             T = metadata.slot_mapping.shape[0]
             backends.check_metadata(metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,

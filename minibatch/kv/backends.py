@@ -18,7 +18,8 @@ causal attention with a context offset: query i of sequence b sits at position
 The public functions (``store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``) check
 their inputs, so a student or a test calling one directly gets a clear error. Inside the engine the
 metadata was checked once by ``AttentionMetadata.build``, so ``get(backend)`` hands out the unchecked
-bodies unless debug checks are on.
+bodies unless debug checks are on; the exception is the teaching loop, which the engine calls as the
+public function (checks included), so that a student's version can stand in for it.
 """
 from __future__ import annotations
 
@@ -124,10 +125,6 @@ def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, 
     """query [T, H, D] -> out [T, H, D]; one sequence at a time, gathered through its block table."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                      "paged_attention_loop")
-    return _loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
-
-
-def _loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
     T, H, D = query.shape
     N, bs, Hkv, _ = key_cache.shape
     out = torch.zeros_like(query)
@@ -162,11 +159,11 @@ def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_len
 
 
 def _plan(md, block_size: int, device) -> list:
-    """Once per step: for each group of rows, the gather slots [G, L], which of them are real context
-    [G, L], the flat query rows [G, Q] and the mask [G, 1, Q, L] (causal with each row's offset)."""
-    key = ("batched", block_size, str(device))
-    if key in md.plan:
-        return md.plan[key]
+    """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
+    rows [G, Q] (None: the group is every row, in order, one query each), which of those are real [G, Q],
+    and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset."""
+    if "batched" in md.plan:
+        return md.plan["batched"]
     q_lens, s_lens = md.query_lens_list, md.seq_lens_list
     starts = [0]
     for n in q_lens:
@@ -174,26 +171,32 @@ def _plan(md, block_size: int, device) -> list:
     groups = []
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     rest = [b for b, n in enumerate(q_lens) if n > 1]
+    tables = md.block_tables.to(device)
     for rows in (decodes, rest):
         if not rows:
             continue
         L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
-        r = torch.tensor(rows, device=device)
-        sl = torch.tensor([s_lens[b] for b in rows], device=device)               # [G]
-        ql = torch.tensor([q_lens[b] for b in rows], device=device)               # [G]
+        sl = torch.tensor([s_lens[b] for b in rows], device=device)                  # [G]
+        ql = torch.tensor([q_lens[b] for b in rows], device=device)                  # [G]
         j = torch.arange(L, device=device)
-        valid = j[None] < sl[:, None]                                             # [G, L]
-        bt = md.block_tables.to(device)[r].long()                                 # [G, W]
-        col = (j // block_size).clamp(max=bt.shape[1] - 1)
-        slots = (bt[:, col].clamp(min=0) * block_size + j % block_size) * valid   # [G, L]; padding -> slot 0
+        valid = j[None] < sl[:, None]                                                # [G, L]
+        bt = tables[torch.tensor(rows, device=device)].long()                        # [G, W]
+        slots = bt[:, (j // block_size).clamp(max=bt.shape[1] - 1)].clamp(min=0) * block_size + j % block_size
+        # A padding position (past a row's own length) gathers the row's position 0 instead: a real, finite
+        # key that the mask then hides. (An unowned slot may hold NaN, and a masked 0 * NaN is still NaN.)
+        slots = torch.where(valid, slots, slots[:, :1])                              # [G, L]
         i = torch.arange(Q, device=device)
-        q_valid = i[None] < ql[:, None]                                           # [G, Q]
-        q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
-        q_pos = (sl - ql)[:, None] + i[None]                                      # [G, Q]
-        mask = valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])        # [G, Q, L]
-        in_order = rows == list(range(len(q_lens))) and Q == 1                    # all decodes, batch order
-        groups.append((slots, valid[..., None, None], q_rows, q_valid, mask[:, None], in_order))
-    md.plan[key] = groups
+        q_pos = (sl - ql)[:, None] + i[None]                                         # [G, Q]
+        mask = (j[None, None, :] <= q_pos[:, :, None])[:, None]                      # [G, 1, Q, L]
+        if Q == 1 and min(s_lens[b] for b in rows) == L:
+            mask = None                                                              # decodes of one length
+        if rows == list(range(len(q_lens))) and Q == 1:
+            q_rows = q_valid = None                                                  # every row, in order
+        else:
+            q_valid = i[None] < ql[:, None]                                          # [G, Q]
+            q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
+        groups.append((slots, q_rows, q_valid, mask))
+    md.plan["batched"] = groups
     return groups
 
 
@@ -206,15 +209,14 @@ def _batched(query, key_cache, value_cache, md, scale):
     dt = torch.float32 if query.device.type == "cpu" else query.dtype
     flat_k, flat_v = key_cache.view(N * bs, Hkv, D), value_cache.view(N * bs, Hkv, D)
     out = None
-    for slots, valid, q_rows, q_valid, mask, in_order in _plan(md, bs, query.device):
-        # padding slots may hold NaN or another sequence's K/V: zero them, since a masked 0 * NaN is NaN
-        k = torch.where(valid, flat_k[slots], 0).to(dt).transpose(1, 2)          # [G, Hkv, L, D]
-        v = torch.where(valid, flat_v[slots], 0).to(dt).transpose(1, 2)
-        q = query[q_rows].to(dt).transpose(1, 2)                                  # [G, H, Q, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=H != Hkv).transpose(1, 2)   # [G, Q, H, D]
-        if in_order:
-            return o[:, 0].to(query.dtype)                                        # [T, H, D] already
+    for slots, q_rows, q_valid, mask in _plan(md, bs, query.device):
+        k = flat_k[slots].to(dt).transpose(1, 2)                                     # [G, Hkv, L, D]
+        v = flat_v[slots].to(dt).transpose(1, 2)
+        q = query[:, None] if q_rows is None else query[q_rows]                      # [G, Q, H, D]
+        o = F.scaled_dot_product_attention(q.to(dt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=H != Hkv).transpose(1, 2)      # [G, Q, H, D]
+        if q_rows is None:
+            return o[:, 0].to(query.dtype)                                           # [T, H, D] already
         if out is None:
             out = torch.empty_like(query)
         out[q_rows[q_valid]] = o[q_valid].to(query.dtype)
@@ -257,8 +259,9 @@ def get(backend: str, checked: bool = False):
     if checked:
         attend = paged_attention_loop if backend == "loop" else paged_attention_batched
         return store_kv_torch, _checked(attend)
-    if backend == "loop":
-        return _store, lambda q, kc, vc, md, s: _loop(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s)
+    if backend == "loop":            # looked up at each call, so exercises.patch_engine can swap in a student's
+        return _store, lambda q, kc, vc, md, s: paged_attention_loop(q, kc, vc, md.block_tables, md.seq_lens,
+                                                                     md.query_start_loc, s)
     return _store, _batched
 
 

@@ -122,7 +122,5 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
 def block_table_tensor(block_tables, device="cpu") -> torch.Tensor:
     """block_tables[B, max_blocks] int32, each row padded with -1 past its sequence's blocks."""
     width = max((len(t) for t in block_tables), default=0)
-    out = torch.full((len(block_tables), width), -1, dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        out[b, :len(t)] = torch.tensor(list(t), dtype=torch.int32)
-    return out.to(device)
+    rows = [list(t) + [-1] * (width - len(t)) for t in block_tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(block_tables), width)
