@@ -18,17 +18,17 @@ from the step traces, how well the batch and the KV cache were used:
 * KV usage: the share of blocks in use, (num_blocks - num_free_blocks) / num_blocks;
 * prefix-cache hit rate: full blocks reused / full blocks looked up;
 * speculative decoding: proposed, accepted, acceptance rate alpha, and tokens
-  per verify step beside what ``speculative.expected_tokens_per_step`` predicts at that alpha.
+  per verify step beside what ``spec_decode.stats.expected_tokens_per_step`` predicts at that alpha
+  (the trace figures come from ``minibatch.stats.run_stats``, their one definition).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from minibatch.engine.outputs import RequestMetrics
-from minibatch.spec_decode.stats import SpecStats
+from minibatch.stats import run_stats
 from minibatch.trace import StepTrace
 
 
@@ -46,11 +46,6 @@ def percentiles(xs, ps=(50, 90, 99)) -> dict:
         return {f"p{p:g}": None for p in ps}
     vals = np.percentile(np.asarray(xs, dtype=float), list(ps))
     return {f"p{p:g}": float(v) for p, v in zip(ps, vals)}
-
-
-def _mean(xs) -> Optional[float]:
-    xs = list(xs)
-    return float(np.mean(xs)) if xs else None
 
 
 def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[float] = None) -> dict:
@@ -87,27 +82,10 @@ def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[
 
 
 def _from_traces(traces: list) -> dict:
-    used = [(t.num_blocks - t.num_free_blocks) / t.num_blocks for t in traces]
-    last = traces[-1]
-    s = {"num_steps": len(traces),
-         # useful work: every scheduled sequence computes; padding slots (static) hold a slot and compute a thrown-away token
-         "mean_occupancy": _mean(len(t.scheduled) / t.max_num_seqs for t in traces),
-         "mean_padding_share": _mean(t.num_padding_slots / t.max_num_seqs for t in traces),
-         "mean_tokens_per_step": _mean(t.num_batched_tokens for t in traces),
-         "kv_usage_mean": _mean(used), "kv_usage_peak": max(used),
-         # hits and queries are cumulative over the run, so the last trace holds the totals
-         "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
-                                   if last.prefix_cache_queries else None)}
-    spec = SpecStats()
-    for t in traces:
-        for seq in t.scheduled:
-            if seq.proposed > 0:                  # a verify step: the accepted drafts plus one target token
-                spec.add(seq.proposed, seq.accepted, seq.accepted + 1)
-    if spec.proposed:
-        s.update(spec_proposed=spec.proposed, spec_accepted=spec.accepted, acceptance_rate=spec.acceptance_rate,
-                 tokens_per_verify_step=spec.mean_tokens_per_step,
-                 expected_tokens_per_verify_step=spec.expected_tokens_per_step)   # Leviathan's formula at this alpha
-    return s
+    keep = ("num_steps", "mean_occupancy", "mean_padding_share", "mean_tokens_per_step", "kv_usage_mean",
+            "kv_usage_peak", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted", "acceptance_rate",
+            "tokens_per_verify_step", "expected_tokens_per_verify_step")
+    return {k: v for k, v in run_stats(traces).items() if k in keep}
 
 
 # -- a text table, one row per run --------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Every figure of a run that the step traces hold, computed in one place.
+
+Benchmarks (``bench/metrics.summarize``), renderers (``viz``), the lecture demo and the
+server's live view all read a run through ``run_stats(traces)``, so a figure has one
+definition. What it counts, per run:
+
+* batch use: steps, tokens per step, occupancy (the share of the ``max_num_seqs``
+  slots doing useful work; a static batch's finished members hold a slot and compute
+  a thrown-away padding token, Orca §3) and the padding share;
+* the KV cache: the share of blocks in use (mean, peak), the prefix-cache hit rate
+  (full blocks reused / full blocks looked up), preemptions;
+* speculative decoding: drafts proposed and accepted, the acceptance rate α, the verify
+  steps, and **tokens per target forward**. A verify step of k drafts with a accepted
+  emits a + 1 tokens: the accepted drafts, then one token of the target's own, a *bonus*
+  token when a = k and a *correction* token when a < k (Leviathan et al. 2023 §2.3).
+  Beside it, the i.i.d. formula (1 - α^(k+1)) / (1 - α) at the measured α.
+"""
+from __future__ import annotations
+
+from minibatch.spec_decode.stats import SpecStats
+
+
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def spec_stats(traces) -> SpecStats:
+    """The run's speculative counters, from the verify steps in the traces."""
+    spec = SpecStats()
+    for t in traces:
+        for s in t.scheduled:
+            if s.proposed:                          # a verify step: the accepted drafts + one target token
+                spec.add(s.proposed, s.accepted, s.accepted + 1)
+    return spec
+
+
+def run_stats(traces) -> dict:
+    """One flat dict of the figures above (None where a run has nothing to say, e.g. no speculation)."""
+    traces = list(traces)
+    if not traces:
+        return {"num_steps": 0}
+    used = [(t.num_blocks - t.num_free_blocks) / t.num_blocks for t in traces]
+    last = traces[-1]                               # hits and queries are cumulative: the last trace has the totals
+    useful = sum(len(t.scheduled) for t in traces)
+    padding = sum(t.num_padding_slots for t in traces)
+    s = {"num_steps": len(traces),
+         "num_batched_tokens": sum(t.num_batched_tokens for t in traces),
+         "mean_tokens_per_step": _mean(t.num_batched_tokens for t in traces),
+         "generated_tokens": sum(len(x.new_token_ids) for t in traces for x in t.scheduled),
+         "mean_occupancy": _mean(len(t.scheduled) / t.max_num_seqs for t in traces),
+         "mean_padding_share": _mean(t.num_padding_slots / t.max_num_seqs for t in traces),
+         "padding_slot_steps": padding,
+         "useful_share_of_slots": useful / (useful + padding) if useful + padding else None,
+         "kv_usage_mean": _mean(used), "kv_usage_peak": max(used),
+         "prefix_cache_hits": last.prefix_cache_hits, "prefix_cache_queries": last.prefix_cache_queries,
+         "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
+                                   if last.prefix_cache_queries else None),
+         "preemptions": sum(len(t.preempted) for t in traces)}
+    spec = spec_stats(traces)
+    if spec.proposed:
+        s.update(speculative_method=last.speculative_method, spec_proposed=spec.proposed,
+                 spec_accepted=spec.accepted, acceptance_rate=spec.acceptance_rate, verify_steps=spec.num_steps,
+                 tokens_per_verify_step=spec.mean_tokens_per_step,            # = tokens per target forward
+                 expected_tokens_per_verify_step=spec.expected_tokens_per_step)
+    return s
