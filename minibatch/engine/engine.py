@@ -51,7 +51,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(model, self.kv_cache, c.block_size, c.attention_backend, c.seed,
                                         scratch_block=num_blocks,
                                         hidden_states=self.proposer.hidden_states if self.proposer else ())
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}     # unfinished requests only: a finished one is forgotten
+        self._num_added = 0
         self.hooks: list[Callable] = []
         self.step_count, self.t0 = 0, time.perf_counter()
 
@@ -79,17 +80,18 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) exceeds the context length {n_ctx}")
         req = Request(request_id, prompt, prompt_ids, params, priority,
-                      time.perf_counter() if arrival_time is None else arrival_time, len(self.requests))
+                      time.perf_counter() if arrival_time is None else arrival_time, self._num_added)
         seq = Sequence(request_id if params.n == 1 else f"{request_id}.0", req, 0, list(prompt_ids),
                        num_forks_pending=params.n - 1)
         self.scheduler.check_request(seq)             # one that could never run is refused now
         req.seqs.append(seq)
         self.requests[request_id] = req
+        self._num_added += 1
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.get(str(request_id))
-        if req is None or req.finished:
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         for seq in req.seqs:
             seq.num_forks_pending = 0             # n > 1 aborted before its prompt was done: no forks will come
@@ -124,4 +126,8 @@ class LLMEngine:
             for fn in self.hooks:
                 fn(trace)
         self.step_count += 1
-        return [request_output(req, self.proposer is not None) for req in changed]
+        outputs = [request_output(req, self.proposer is not None) for req in changed]
+        for req in changed:
+            if req.finished:                      # its final output is in hand: a server runs for ever
+                del self.requests[req.request_id]
+        return outputs
