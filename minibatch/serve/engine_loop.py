@@ -182,11 +182,14 @@ class EngineLoop:
             if stream is None:
                 continue
             if self.metrics:
-                total = sum(len(o.token_ids) for o in out.outputs)
-                if rid not in self._num_tokens:
+                total, seen = sum(len(o.token_ids) for o in out.outputs), self._num_tokens.get(rid)
+                if seen is None:
                     self.metrics.observe_first_token(out.metrics)
-                self.metrics.generation_tokens.inc(total - self._num_tokens.get(rid, 0))
-                self._num_tokens[rid] = total
+                if total > (seen or 0):               # a stop string cuts generated tokens off the output
+                    self.metrics.generation_tokens.inc(total - (seen or 0))
+                    self._num_tokens[rid] = total
+                else:
+                    self._num_tokens.setdefault(rid, 0)
             stream.put(out)
             if out.finished:
                 del self._streams[rid]
