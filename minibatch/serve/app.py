@@ -5,7 +5,7 @@
     GET  /health           200 while the engine loop is sound, 503 with the reason once it is not
     GET  /metrics          Prometheus text, vLLM's metric names (minibatch.serve.metrics)
     GET  /                 the live view: batch timeline and block pool, drawn from StepTraces
-    GET  /live/events      those StepTraces, as server-sent events
+    GET  /live/events      those StepTraces, as server-sent events (?after=STEP: only later steps)
 
 Handlers never touch the engine: they hand prompts to the engine loop
 (``engine_loop.py``) and read their outputs from an asyncio queue. Every error
@@ -109,13 +109,13 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
 
     @app.get("/", response_class=HTMLResponse)
     async def live():
-        return live_page(served_model_name)
+        return live_page(served_model_name, feed.backlog())
 
     @app.get("/live/events")
-    async def live_events():
+    async def live_events(after: int = -1):
         async def sse():
             yield ": minibatch live view\n\n"
-            async for data in feed.events():
+            async for data in feed.events(after):
                 yield f"data: {data}\n\n"
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

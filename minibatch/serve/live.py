@@ -7,8 +7,11 @@ so what the lecturer projects is the lecture's figures, live.
 
 The feed is a hook on the engine thread: it serialises the trace once and
 hands it to each subscriber's asyncio queue. It keeps the last ``history``
-steps so a page opened mid-run (or reloaded) draws at once. A slow page loses
-steps rather than slowing the engine: its queue is bounded and drops.
+steps, which the page is served with (written into it), so it draws the
+recent past the moment it loads, before any event arrives (a projector that
+reloads, a headless browser taking a screenshot); its event stream then
+starts after the last of those steps. A slow page loses steps rather than
+slowing the engine: its queue is bounded and drops.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ _CLOSE = None
 
 
 class LiveFeed:
-    def __init__(self, history: int = 300, max_queue: int = 2000):
+    def __init__(self, history: int = 120, max_queue: int = 2000):
         self._ring: deque = deque(maxlen=history)
         self._subs: set = set()                          # (loop, asyncio.Queue)
         self._lock = threading.Lock()
@@ -35,16 +38,21 @@ class LiveFeed:
     def __call__(self, trace) -> None:                   # engine.add_hook(feed): on the engine thread
         data = json.dumps(trace.to_dict(), separators=(",", ":"))
         with self._lock:
-            self._ring.append(data)
+            self._ring.append((trace.step, data))
             subs = list(self._subs)
         for loop, q in subs:
             loop.call_soon_threadsafe(_offer, q, data)
 
-    async def events(self):
-        """Async iterator of JSON strings: the history first, then each new step; ends on close()."""
+    def backlog(self, after: int = -1) -> list:
+        """The kept steps after step ``after``, as JSON strings."""
+        with self._lock:
+            return [data for step, data in self._ring if step > after]
+
+    async def events(self, after: int = -1):
+        """Async iterator of JSON strings: the kept steps after ``after``, then each new step; ends on close()."""
         loop, q = asyncio.get_running_loop(), asyncio.Queue(self._max_queue)
         with self._lock:
-            backlog = list(self._ring)
+            backlog = [data for step, data in self._ring if step > after]
             self._subs.add((loop, q))
         try:
             for data in backlog:
@@ -89,6 +97,8 @@ def page_config(model_name: str) -> dict:
             "edge_color": EDGE_COLOR, "spec_rejected_color": SPEC_REJECTED_COLOR}
 
 
-def live_page(model_name: str) -> str:
+def live_page(model_name: str, backlog: list) -> str:
+    """The page, with the colours and the recent steps written in (``</`` escaped: it sits in a <script>)."""
     html = (STATIC / "live.html").read_text(encoding="utf-8")
-    return html.replace("/*CONFIG*/{}", json.dumps(page_config(model_name)))
+    steps = ("[" + ",".join(backlog) + "]").replace("</", "<\\/")
+    return html.replace("/*CONFIG*/{}", json.dumps(page_config(model_name))).replace("/*BACKLOG*/[]", steps)
