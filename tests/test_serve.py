@@ -166,6 +166,7 @@ BAD = [  # (what, body, status, fragment of the message)
     ("n over max_num_seqs", {"prompt": "x", "n": 17}, 400, "exceeds max_num_seqs=16"),
     ("empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop must be non-empty"),
     ("empty prompt", {"prompt": ""}, 400, "the prompt is empty"),
+    ("one bad prompt of two", {"prompt": ["def f(x):", ""]}, 400, "the prompt is empty"),   # neither is kept
     ("token id out of range", {"prompt": [65, 300]}, 400, "token ids in [0, 256)"),
     ("unimplemented field", {"prompt": "x", "logprobs": 3}, 400, "`logprobs` is not supported"),
     ("unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
@@ -180,8 +181,10 @@ def test_bad_input_gets_a_clear_4xx_and_the_next_request_succeeds(server, what, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["code"] == status and err["type"], err
+    assert not server.engine_loop.call(lambda e: e.has_unfinished_requests()).result(5), "a refused request runs"
     ok = httpx.post(url, json={"prompt": "def f(x):", "max_tokens": 3, "temperature": 0}, timeout=30)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"].encode()) <= 3
+    engine_state(server)
 
 
 def test_the_openai_client_raises_the_servers_message(server):
