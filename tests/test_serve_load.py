@@ -62,7 +62,7 @@ def test_200_poisson_requests_no_errors_no_leaked_blocks(cli_server, tmp_path, c
     pytest.importorskip("openai")
     from minibatch.bench import main as bench      # through run.py's OTHERS, as `python -m minibatch.bench serve`
     out = tmp_path / "serve-bench.png"
-    rc = bench(["serve", "--base-url", cli_server + "/v1", "--rate", "40", "--duration", "30", "--num-requests", "200",
+    rc = bench(["serve", "--base-url", cli_server + "/v1", "--rate", "20", "--duration", "30", "--num-requests", "200",
                      "--concurrency", "32", "--min-tokens", "4", "--max-tokens", "24", "--timeout", "120",
                      "--out", str(out)])
     report = capsys.readouterr().out

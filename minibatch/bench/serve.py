@@ -171,7 +171,7 @@ def plot(run: dict, summary: dict, path) -> pathlib.Path:
         else:
             ax.plot([r.sent], [i], "x", color=PHASE_COLORS["preempted"])
     ax.set(xlabel="seconds since start", ylabel="request (by arrival)",
-           title="requests: client queue (grey), to first token (blue), streaming (green)")
+           title="each request: client queue (grey),\nwaiting for its first token (blue), streaming (green)")
     ax = axes[1]                                          # CDFs of TTFT and latency
     for name, xs, c in (("TTFT", [r.first_token - r.sent for r in ok if r.first_token], PHASE_COLORS["prefill"]),
                         ("end-to-end latency", [r.end - r.sent for r in ok], PHASE_COLORS["decode"])):
@@ -179,8 +179,8 @@ def plot(run: dict, summary: dict, path) -> pathlib.Path:
         if len(xs):
             ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", color=c, label=name)
     ax.set(xlabel="seconds", ylabel="fraction of requests", ylim=(0, 1.02),
-           title=f"TTFT p50 {summary['ttft_s']['p50'] * 1e3:.0f} ms / p99 {summary['ttft_s']['p99'] * 1e3:.0f} ms;"
-                 f" latency p50 {summary['e2e_latency_s']['p50']:.2f} s")
+           title=f"TTFT p50 {summary['ttft_s']['p50'] * 1e3:.0f} ms, p99 {summary['ttft_s']['p99'] * 1e3:.0f} ms\n"
+                 f"latency p50 {summary['e2e_latency_s']['p50']:.2f} s, p99 {summary['e2e_latency_s']['p99']:.2f} s")
     ax.legend(loc="lower right")
     ax = axes[2]                                          # output tokens per second, 0.5 s bins, and in flight
     end = max([r.end for r in ok] + [1.0])
@@ -193,7 +193,8 @@ def plot(run: dict, summary: dict, path) -> pathlib.Path:
     ax2.plot(bins, inflight, color="#332288", label="requests in flight")
     ax2.set_ylabel("requests in flight")
     ax.set(xlabel="seconds since start", ylabel="streamed chunks (tokens) / s",
-           title=f"{summary['output_token_throughput']:.0f} output tokens/s, {summary['num_errors']} errors")
+           title=f"{summary['output_token_throughput']:.0f} output tokens/s over the run\n"
+                 f"{summary['num_errors']} errors")
     fig.suptitle(f"minibatch serve under Poisson load: {summary['requests']} requests, "
                  f"{summary['request_throughput']:.1f} req/s completed, model {run['model']}")
     fig.tight_layout()
