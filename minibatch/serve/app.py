@@ -125,8 +125,6 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
             return error(404, f"The model `{body.model}` does not exist; this server serves "
                               f"`{served_model_name}`.", "model", "not_found_error")
         prompts = body.prompts()
-        if not prompts:
-            return error(400, "prompt: the list of prompts is empty", "prompt")
         max_tokens = body.max_tokens
         if max_tokens is None:                     # OpenAI's null: as many as the context leaves
             longest = max(len(encode(p)) if isinstance(p, str) else len(p) for p in prompts)

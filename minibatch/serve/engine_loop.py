@@ -48,7 +48,10 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item) -> None:                      # from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:                          # the event loop is closed: nobody is listening
+            pass
 
 
 _STOP = object()
@@ -93,6 +96,8 @@ class EngineLoop:
             fut.set_exception(EngineDead(self.error or "the server is shutting down"))
         else:
             self._cmds.put((kind, fut, *args))
+            if self._stopped.is_set():                # the loop stopped meanwhile: answer it here
+                self._drain_after_stop()
         return fut
 
     @property

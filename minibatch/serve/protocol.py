@@ -70,9 +70,7 @@ class CompletionRequest(BaseModel):
     def prompts(self) -> list:
         """The prompts as a list: each a str or a list of token ids (bytes)."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        if not p:                                   # [] is an empty token list: the engine says so
+        if isinstance(p, str) or not p or isinstance(p[0], int):    # [] is one empty prompt: the engine says so
             return [p]
         return list(p)
 
