@@ -55,22 +55,36 @@ def make_llm(args):
 def serve(args) -> int:
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
-    import uvicorn
     from minibatch.serve.app import build_app
     llm = make_llm(args)
     name = args.served_model_name or args.model
     app = build_app(llm, served_model_name=name, max_pending_requests=args.max_pending_requests)
     print(f"minibatch: serving `{name}` on http://{args.host}:{args.port}  (live view at /, API under /v1, "
           f"metrics at /metrics)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3)
+    try:
+        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    except KeyboardInterrupt:                 # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        pass
     return 0
+
+
+def uvicorn_server(app, **config):
+    """A uvicorn Server that ends the live page's endless event streams as soon as it starts shutting down:
+    uvicorn waits for open responses before it tells the app to stop, so they would hold Ctrl-C up."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.feed.close()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=3, **config))
 
 
 class ServerThread:
     """``with ServerThread(llm) as srv: OpenAI(base_url=srv.url + "/v1", ...)``; stops on exit."""
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **app_kwargs):
-        import uvicorn
         from minibatch.serve.app import build_app
         self.app = build_app(llm, **app_kwargs)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -78,8 +92,7 @@ class ServerThread:
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn_server(self.app, log_level=log_level)
         self._thread: Optional[threading.Thread] = None
 
     @property
