@@ -1,5 +1,6 @@
 """Command line:  python -m minibatch generate "def fib(n):" --max-tokens 80
                  python -m minibatch demo continuous --out demo.gif
+                 python -m minibatch serve --port 8000      (OpenAI-compatible, like `vllm serve`)
 """
 from __future__ import annotations
 
@@ -49,10 +50,16 @@ def main(argv=None) -> int:
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default demo-<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) with a live view at /")
+    from minibatch.serve.server import add_arguments    # argparse only; the server loads on use
+    add_arguments(s)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "generate":
             return _generate(args)
+        if args.cmd == "serve":
+            from minibatch.serve.server import serve
+            return serve(args)
         from minibatch.bench.demo import run_demo
         return run_demo(args.scenario, out=args.out, text_only=args.text, small=args.small)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

@@ -1,0 +1,29 @@
+"""``python -m minibatch serve``: an OpenAI-compatible server on the engine, and a live view of its batch.
+
+Continuous batching exists for one situation: many clients sending requests
+at times nobody chooses. This package puts the engine behind the same HTTP
+API as ``vllm serve`` so a class can point the official ``openai`` client at
+it from several terminals and watch, on the page at ``/``, their requests join
+and leave the batch and take and return KV blocks.
+
+    app.py          the FastAPI routes, errors as OpenAI error bodies
+    engine_loop.py  the one thread that calls the engine; per-request output queues
+    protocol.py     request validation (pydantic), response bodies, streamed text deltas
+    metrics.py      Prometheus metrics under vLLM's names
+    live.py         StepTraces to the live page, as server-sent events
+    server.py       the command line, and ServerThread for tests and notebooks
+    static/         the live page (SVG, no external resources)
+"""
+
+
+def __getattr__(name):                # lazy: `python -m minibatch generate` never loads FastAPI
+    if name == "build_app":
+        from minibatch.serve.app import build_app
+        return build_app
+    if name == "ServerThread":
+        from minibatch.serve.server import ServerThread
+        return ServerThread
+    raise AttributeError(f"module 'minibatch.serve' has no attribute {name!r}")
+
+
+__all__ = ["build_app", "ServerThread"]

@@ -1,0 +1,104 @@
+"""The live view's data: every ``StepTrace``, as JSON, to every open page (server-sent events).
+
+The page at ``/`` draws the batch timeline and the block pool from the same
+trace data the matplotlib views read (``trace.to_dict()``), with the same
+colours (``minibatch.viz.common``, written into the page when it is served),
+so what the lecturer projects is the lecture's figures, live.
+
+The feed is a hook on the engine thread: it serialises the trace once and
+hands it to each subscriber's asyncio queue. It keeps the last ``history``
+steps, which the page is served with (written into it), so it draws the
+recent past the moment it loads, before any event arrives (a projector that
+reloads, a headless browser taking a screenshot); its event stream then
+starts after the last of those steps. A slow page loses steps rather than
+slowing the engine: its queue is bounded and drops.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import threading
+from collections import deque
+
+from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, PHASE_COLORS, PHASE_LABELS,
+                                  SEQ_PALETTE, SPEC_REJECTED_COLOR)
+
+STATIC = pathlib.Path(__file__).parent / "static"
+_CLOSE = None
+
+
+class LiveFeed:
+    def __init__(self, history: int = 120, max_queue: int = 2000):
+        self._ring: deque = deque(maxlen=history)
+        self._subs: set = set()                          # (loop, asyncio.Queue)
+        self._lock = threading.Lock()
+        self._max_queue = max_queue
+
+    def __call__(self, trace) -> None:                   # engine.add_hook(feed): on the engine thread
+        data = json.dumps(trace.to_dict(), separators=(",", ":"))
+        with self._lock:
+            self._ring.append((trace.step, data))
+            subs = list(self._subs)
+        for loop, q in subs:
+            loop.call_soon_threadsafe(_offer, q, data)
+
+    def backlog(self, after: int = -1) -> list:
+        """The kept steps after step ``after``, as JSON strings."""
+        with self._lock:
+            return [data for step, data in self._ring if step > after]
+
+    async def events(self, after: int = -1):
+        """Async iterator of JSON strings: the kept steps after ``after``, then each new step; ends on close()."""
+        loop, q = asyncio.get_running_loop(), asyncio.Queue(self._max_queue)
+        with self._lock:
+            backlog = [data for step, data in self._ring if step > after]
+            self._subs.add((loop, q))
+        try:
+            for data in backlog:
+                yield data
+            while True:
+                data = await q.get()
+                if data is _CLOSE:
+                    return
+                yield data
+        finally:
+            with self._lock:
+                self._subs.discard((loop, q))
+
+    def close(self) -> None:
+        """End every open stream (server shutdown: an endless response would hold it up)."""
+        with self._lock:
+            subs = list(self._subs)
+        for loop, q in subs:
+            loop.call_soon_threadsafe(_force, q)
+
+
+def _offer(q: asyncio.Queue, data) -> None:
+    try:
+        q.put_nowait(data)
+    except asyncio.QueueFull:                            # a page that cannot keep up skips steps
+        pass
+
+
+def _force(q: asyncio.Queue) -> None:
+    while q.full():
+        q.get_nowait()
+    q.put_nowait(_CLOSE)
+
+
+def page_config(model_name: str) -> dict:
+    """What the page needs besides the traces (which carry the pool size, budget and batch bound):
+    the matplotlib views' colours and labels."""
+    from minibatch.viz.timeline import SPEC_TARGET_COLOR     # loads matplotlib: once, on the first page
+    return {"model": model_name, "phase_colors": PHASE_COLORS, "phase_labels": PHASE_LABELS,
+            "spec_target_color": SPEC_TARGET_COLOR, "seq_palette": SEQ_PALETTE, "free_color": FREE_COLOR,
+            "cached_free_color": CACHED_FREE_COLOR,
+            "edge_color": EDGE_COLOR, "spec_rejected_color": SPEC_REJECTED_COLOR}
+
+
+def live_page(model_name: str, backlog: list) -> str:
+    """The page, with the colours and the recent steps written in (``</`` escaped: it sits in a <script>)."""
+    html = (STATIC / "live.html").read_text(encoding="utf-8")
+    steps = ("[" + ",".join(backlog) + "]").replace("</", "<\\/")
+    return html.replace("/*CONFIG*/{}", json.dumps(page_config(model_name))).replace("/*BACKLOG*/[]", steps)

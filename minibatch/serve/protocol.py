@@ -1,0 +1,161 @@
+"""The wire format: OpenAI's ``/v1/completions`` request and response bodies, validated with pydantic.
+
+Why a strict model: a server's first duty is to say *clearly* what was wrong
+with a request and keep serving. Unknown fields are refused (a typo such as
+``max_token`` must not silently fall back to a default), types are strict (no
+``"16"`` for 16), and sampling values are checked by ``SamplingParams`` itself,
+so the server and ``LLM.generate`` accept exactly the same requests.
+
+OpenAI fields that a byte-level toy model does not implement (``echo``,
+``logprobs``, ``best_of``, penalties, ``logit_bias``, ``suffix``) are accepted
+only at their defaults, so a stock client works and a request that relies on
+them gets a 400 instead of a quietly different answer. ``top_k`` and
+``return_token_ids`` are vLLM's extensions (pass them with ``extra_body`` from
+the ``openai`` client).
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from minibatch.engine.sampler import SamplingParams
+
+_UNSUPPORTED_DEFAULTS = {"echo": False, "logprobs": None, "best_of": None, "suffix": None,
+                         "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None                 # None: the one served model
+    max_tokens: Optional[int] = 16              # None: up to the end of the context
+    temperature: float = 1.0                    # OpenAI's defaults
+    top_p: float = 1.0
+    top_k: int = -1                             # vLLM extension
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None                  # accepted and ignored, as by OpenAI
+    return_token_ids: bool = False              # vLLM extension: token ids in each choice
+    # OpenAI fields minibatch does not implement: accepted at their defaults only
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self):
+        for name, default in _UNSUPPORTED_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != default and not (name == "best_of" and value == self.n):
+                raise ValueError(f"`{name}` is not supported by minibatch (got {value!r}); leave it at {default!r}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed with `stream: true`")
+        return self
+
+    def prompts(self) -> list:
+        """The prompts as a list: each a str or a list of token ids (bytes)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):    # [] is one empty prompt: the engine says so
+            return [p]
+        return list(p)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises ValueError for bad values, with SamplingParams' own message."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_tokens=max_tokens, seed=self.seed, stop=stop)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[Union[int, str]] = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_message(errors: list) -> tuple[str, Optional[str]]:
+    """pydantic's error list -> one readable line and the first offending field."""
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            ctx = e.get("ctx", {}).get("error", "")
+            parts.append(f"the body is not valid JSON ({ctx})" if ctx else "the body is not valid JSON")
+            continue
+        field = loc[0] if loc else None
+        param = param or field
+        where = ".".join(loc)
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown field (not part of the completions API)"
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+class TextDelta:
+    """One choice's streamed text: the new tokens since the last chunk, decoded incrementally.
+
+    Two things are held back until they are certain: the bytes of a UTF-8
+    character split across tokens (the incremental decoder keeps them), and a
+    tail that could still grow into a stop string (the engine cuts the output
+    before a stop string, so those bytes may never be part of the answer)."""
+
+    def __init__(self, stop: list):
+        self.sent = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = [s.encode("utf-8") for s in stop]
+
+    def _held(self, data: bytes) -> int:
+        """Length of the longest tail of ``data`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(data)), best, -1):
+                if data.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def update(self, token_ids: list, finished: bool) -> tuple[str, list]:
+        """(text, token ids) to send now for a choice whose output is ``token_ids`` so far."""
+        end = len(token_ids) if finished else len(token_ids) - self._held(bytes(token_ids))
+        end = max(end, self.sent)
+        new = list(token_ids[self.sent:end])
+        self.sent = end
+        return self._decoder.decode(bytes(new), final=finished), new
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_body(request_id: str, model: str, choices: list, usage: Optional[dict]) -> dict:
+    body = {"id": request_id, "object": "text_completion", "created": now(), "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def choice(index: int, text: str, finish_reason: Optional[str], token_ids: Optional[list] = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,123 @@
+"""Running the app: ``python -m minibatch serve`` (like ``vllm serve``), or in a background thread.
+
+The command line takes vLLM's engine flags under vLLM's names
+(``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``,
+``--num-gpu-blocks-override``, ``--no-enable-prefix-caching``,
+``--speculative-config``, ``--served-model-name``), so a lecture can put the two
+commands side by side.
+
+``ServerThread`` runs the same server inside a Python process that goes on
+doing other things: a test, or a notebook that serves the class while it
+draws. It binds its socket before it returns, so port 0 (any free port) is
+race-free and ``.url`` is ready at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from typing import Optional
+
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="target", help="shipped preset: target or draft")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--attention-backend", default="torch", help="dense, torch or triton")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    p.add_argument("--max-pending-requests", type=int, default=256,
+                   help="most unfinished requests (running + waiting); past it new ones get 503")
+    p.add_argument("--log-level", default="info")
+
+
+def make_llm(args):
+    from minibatch.engine.llm import LLM
+    spec = args.speculative_config
+    return LLM(args.model, device=args.device, draft_model="draft" if spec and spec.get("method") == "draft" else None,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
+               enable_prefix_caching=args.enable_prefix_caching, scheduling=args.scheduling,
+               attention_backend=args.attention_backend, speculative_config=spec)
+
+
+def serve(args) -> int:
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    from minibatch.serve.app import build_app
+    llm = make_llm(args)
+    name = args.served_model_name or args.model
+    app = build_app(llm, served_model_name=name, max_pending_requests=args.max_pending_requests)
+    print(f"minibatch: serving `{name}` on http://{args.host}:{args.port}  (live view at /, API under /v1, "
+          f"metrics at /metrics)", flush=True)
+    try:
+        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    except KeyboardInterrupt:                 # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        pass
+    return 0
+
+
+def uvicorn_server(app, **config):
+    """A uvicorn Server that ends the live page's endless event streams as soon as it starts shutting down:
+    uvicorn waits for open responses before it tells the app to stop, so they would hold Ctrl-C up."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.feed.close()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=3, **config))
+
+
+class ServerThread:
+    """``with ServerThread(llm) as srv: OpenAI(base_url=srv.url + "/v1", ...)``; stops on exit."""
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **app_kwargs):
+        from minibatch.serve.app import build_app
+        self.app = build_app(llm, **app_kwargs)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._server = uvicorn_server(self.app, log_level=log_level)
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def engine_loop(self):
+        return self.app.state.engine_loop
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="minibatch-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
