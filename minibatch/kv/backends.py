@@ -158,6 +158,20 @@ def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_len
     return _batched(query, key_cache, value_cache, md, scale)
 
 
+def _buckets(rows: list, lens: list, max_waste: float = 0.3, max_buckets: int = 4) -> list:
+    """Decode rows split by context length, so that padding every row of a group to its longest wastes
+    little: the gather copies G x L_max rows of K and V per layer, and copying is most of the cost."""
+    if len(rows) <= 2:
+        return [rows]
+    order = sorted(rows, key=lambda b: -lens[b])
+    out = [[order[0]]]
+    for b in order[1:]:
+        if lens[b] < (1 - max_waste) * lens[out[-1][0]] and len(out) < max_buckets:
+            out.append([])
+        out[-1].append(b)
+    return out if len(out) > 1 else [rows]         # one bucket: keep batch order (no scatter needed)
+
+
 def _plan(md, block_size: int, device) -> list:
     """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
     rows [G, Q] (None: the group is every row, in order, one query each), which of those are real [G, Q],
@@ -172,7 +186,7 @@ def _plan(md, block_size: int, device) -> list:
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     rest = [b for b, n in enumerate(q_lens) if n > 1]
     tables = md.block_tables.to(device)
-    for rows in (decodes, rest):
+    for rows in (*_buckets(decodes, s_lens), rest):
         if not rows:
             continue
         L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
@@ -210,8 +224,9 @@ def _batched(query, key_cache, value_cache, md, scale):
     flat_k, flat_v = key_cache.view(N * bs, Hkv, D), value_cache.view(N * bs, Hkv, D)
     out = None
     for slots, q_rows, q_valid, mask in _plan(md, bs, query.device):
-        k = flat_k[slots].to(dt).transpose(1, 2)                                     # [G, Hkv, L, D]
-        v = flat_v[slots].to(dt).transpose(1, 2)
+        G, L = slots.shape                          # (index_select copies rows about 2x faster than x[slots])
+        k = flat_k.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)   # [G, Hkv, L, D]
+        v = flat_v.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)
         q = query[:, None] if q_rows is None else query[q_rows]                      # [G, Q, H, D]
         o = F.scaled_dot_product_attention(q.to(dt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=H != Hkv).transpose(1, 2)      # [G, Q, H, D]
