@@ -195,8 +195,9 @@ def run_part(piece, expected: list, tmp: Path, student_dir=None, part_timeout: f
              test_timeout: float = TEST_TIMEOUT, memory_mb: float | None = None) -> PartRun:
     """One part in its own process, on the student's code; what happened, judged."""
     events, log = tmp / f"{piece.part}.jsonl", tmp / f"{piece.part}.log"
-    env = {"MINIBATCH_STUDENT": piece.name, "MINIBATCH_GRADE_EVENTS": events,
-           "MINIBATCH_STUDENT_DIR": str(Path(student_dir).resolve()) if student_dir else None}
+    env = {"MINIBATCH_STUDENT": piece.name, "MINIBATCH_GRADE_EVENTS": events}
+    if student_dir:                                  # else MINIBATCH_STUDENT_DIR as inherited, or the package
+        env["MINIBATCH_STUDENT_DIR"] = str(Path(student_dir).resolve())
     args = [str(_harness.TESTS), "-m", piece.part, "-q", "--tb=short", "-p", "no:cacheprovider", "-p", PLUGIN]
     if test_timeout and importlib.util.find_spec("pytest_timeout") is not None:
         method = "signal" if hasattr(signal, "SIGALRM") else "thread"

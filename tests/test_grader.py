@@ -122,8 +122,9 @@ def test_the_report_is_complete_and_in_gradescope_format(crashes, expected):
         assert f"{part} (" in table and "scores 0" in table
 
 
-def test_a_hang_that_blocks_the_alarm_is_stopped_at_the_part_limit(tmp_path, expected):
-    """SIGALRM blocked, so the per-test limit cannot fire: the part's limit kills the process and what it started."""
+def test_a_hang_that_blocks_the_alarm_is_stopped_at_the_part_limit(tmp_path, expected, monkeypatch):
+    """SIGALRM blocked, so the per-test limit cannot fire: the part's limit kills the process and what it started.
+    (The student's directory comes from MINIBATCH_STUDENT_DIR here, as a student running it locally would set.)"""
     pid_file = tmp_path / "child.pid"
     d = write_students(tmp_path / "s", {"ex2": delegate("ex2", "import signal, subprocess, sys", f"""
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -132,7 +133,8 @@ def test_a_hang_that_blocks_the_alarm_is_stopped_at_the_part_limit(tmp_path, exp
         while True:
             pass""")})
     t0 = time.perf_counter()
-    (r,) = grade.grade(grade.parse_parts("ex2"), d, part_timeout=8, test_timeout=1, expected=expected)
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(d))
+    (r,) = grade.grade(grade.parse_parts("ex2"), None, part_timeout=8, test_timeout=1, expected=expected)
     assert time.perf_counter() - t0 < 60
     assert r.score == 0 and "time limit of 8 s" in r.problem, r.problem + r.log
     child = int(pid_file.read_text())
