@@ -233,11 +233,9 @@ def judge(run: PartRun, events: list, rc: int, timed_out: bool, part_timeout: fl
         except ValueError:
             name = f"signal {-rc}"
         if -rc == signal.SIGKILL:
-            why = ("killed by SIGKILL" + where + ", which is what the kernel's out-of-memory killer sends: "
-                   "did it use too much memory?")
-        else:
-            why = f"crashed with {name}{where}"
-        return f"the test process was {why}; {progress}"
+            return (f"the test process was killed by SIGKILL{where}, which is what the kernel's out-of-memory "
+                    f"killer sends: did it use too much memory?; {progress}")
+        return f"the test process crashed with {name}{where}; {progress}"
     if not finish:
         return (f"the test process exited with status {rc}{where} before its session ended (os._exit(), "
                 f"or a crash?); {progress}")
