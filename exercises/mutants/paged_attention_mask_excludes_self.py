@@ -15,6 +15,6 @@ def paged_attention_torch(query, key_cache, value_cache, block_tables, seq_lens,
         v = value_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
         q_pos = torch.arange(L - n, L)[:, None]
-        scores = scores.masked_fill(torch.arange(L)[None, :] >= q_pos          # BUG: a query sees itself, float("-inf"))
+        scores = scores.masked_fill(torch.arange(L)[None, :] >= q_pos, float("-inf"))   # BUG: > (it hides itself)
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

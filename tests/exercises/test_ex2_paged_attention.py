@@ -67,7 +67,8 @@ def check(specs, bs, H, Hkv, D=8, scale=None, atol=2e-5, rtol=1e-4, **kw):
     assert isinstance(got, torch.Tensor) and got.shape == query.shape, \
         f"want out {tuple(query.shape)}, got {tuple(getattr(got, 'shape', ()))}"
     assert got.dtype == query.dtype, f"out must have the query's dtype {query.dtype}, got {got.dtype}"
-    assert not got.isnan().any(), "NaN in the output: a slot past seq_len (or a masked one) leaked into the sum"
+    assert not got.isnan().any(), ("NaN in the output: a slot past seq_len (or a masked one) leaked into the sum "
+                                   "(0 x NaN is NaN), or exp() overflowed (subtract the row's max first)")
     want = dense_oracle(query, ks, vs, specs, scale).to(got.dtype)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"vs dense attention: {m}")
     ref = exercises.reference("paged_attention")(*inputs, scale)

@@ -85,7 +85,8 @@ def check(batch, scale, tol=1e-4):
             f"the kernel changed its input {name}"
     nan = got.isnan()
     assert not nan.any(), (f"NaN in the output at {nan.nonzero()[:4].tolist()} ([sequence, head, d]): a slot past "
-                           f"seq_len, a padding entry of the block table, or an output never stored")
+                           f"seq_len or a padding entry of the block table was read (0 x NaN is NaN), exp() "
+                           f"overflowed (no running max), or an output was never stored")
     want = dense(batch, scale)
     torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol,
                                msg=lambda m: f"vs dense attention on the contiguous K/V: {m}")
