@@ -116,6 +116,18 @@ def test_every_piece_has_at_least_four_mutants():
         assert sum(mutant_piece(m) == p for m in MUTANTS) >= 4, f"{p.name}: fewer than 4 mutants"
 
 
+@pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS])
+def test_mutant_is_a_working_wrong_answer(mutant):
+    """A mutant must be caught for its bug, not for failing to load: it compiles, defines the piece's function,
+    and its docstring names its exercise."""
+    path = PKG / "mutants" / f"{mutant}.py"
+    p = mutant_piece(path)
+    tree = ast.parse(path.read_text(), str(path))                       # a SyntaxError fails here
+    assert any(isinstance(n, ast.FunctionDef) and n.name == p.func for n in tree.body), f"no {p.func}() in {path}"
+    doc = ast.get_docstring(tree) or ""
+    assert doc.startswith(f"Mutant (exercise {p.part[2:]})"), f"{path.name}: docstring must name the bug: {doc!r}"
+
+
 def test_every_graded_test_carries_its_parts_marker(graded):
     """The grader counts a part's tests by marker, this file by file name: the two must agree, one part each."""
     rc, collected, _ = graded["collect"]
@@ -154,6 +166,8 @@ def test_mutant_fails_a_graded_test(graded, mutant):
     part = mutant_piece(PKG / "mutants" / f"{mutant}.py").part
     failed = [r for r in results if r.outcome == "failed" and r.part == part]
     assert rc == 1 and failed, f"{mutant} passed every {part} test it ran (exit {rc}):\n{log[-3000:]}"
+    assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError", "ModuleNotFoundError")), \
+        f"{mutant} failed to load, not for its bug:\n{failed[0].output[:2000]}"
 
 
 # -- the switch ------------------------------------------------------------------------------------------
