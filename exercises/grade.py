@@ -24,8 +24,8 @@ even when the grader itself fails): top level ``score``, ``execution_time``,
 ``output``, ``tests``; per test ``name``, ``score``, ``max_score``, ``status``,
 ``output``, ``visibility``, ``tags``.
 
-Exit status: 0 when every selected part was graded (whatever the score), 2 when
-the grader itself could not run (the report then says why).
+Exit status: 0 when the grader ran (whatever the score, and whatever a part's
+process did), 2 when the grader itself could not run (the report then says why).
 """
 from __future__ import annotations
 
@@ -133,7 +133,10 @@ def _pytest(args: list, env: dict, log: Path, timeout: float, memory_mb: float |
         except subprocess.TimeoutExpired:
             timed_out = True
         try:
-            os.killpg(p.pid, signal.SIGKILL)
+            if hasattr(os, "killpg"):
+                os.killpg(p.pid, signal.SIGKILL)
+            elif timed_out:
+                p.kill()
         except (ProcessLookupError, PermissionError):
             pass
         if timed_out:
