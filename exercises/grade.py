@@ -309,7 +309,7 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
         parts[r.piece.part] = {"score": round(r.score, 4), "max_score": r.points, "tests": n, "passed": got,
                                "problem": r.problem, "seconds": round(r.seconds, 1)}
     lines.append(("{:<6}{:<%d}{:>7.1f} / {:<6g}" % width).format("", "total", total, max_total))
-    table = "\n".join(lines + ([""] + problems if problems else []))
+    table = "\n".join(line.rstrip() for line in lines + ([""] + problems if problems else []))
     return table, {"score": round(total, 4), "execution_time": round(seconds, 1), "output": table,
                    "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
                    "extra_data": {"max_score": max_total, "parts": parts}}
