@@ -1,7 +1,7 @@
-"""Exercises: write five pieces of the serving engine yourself, graded by pytest.
+"""Exercises: write pieces of the serving engine yourself, graded by pytest.
 
-The reference implementations live in ``minibatch/``; yours live here, one file
-per piece (``ex1_slot_mapping.py`` ... ``ex5_ngram.py``). One switch chooses,
+The reference implementations live in ``minibatch/`` (and ``kernels/``); yours live
+here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``). One switch chooses,
 per piece, which of the two the graded tests and the engine use, so a student
 stuck on one piece can go on to the next with the reference in its place:
 
@@ -14,7 +14,7 @@ stuck on one piece can go on to the next with the reference in its place:
                                                      # (default: this package)
 
 ``get(piece)`` returns the implementation under test; ``reference(piece)`` the
-one in ``minibatch/``; ``patch_engine()`` makes the engine itself call yours.
+one in ``minibatch/`` or ``kernels/``; ``patch_engine()`` makes the engine itself call yours.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Piece:
     name: str          # the piece's name in MINIBATCH_STUDENT
-    part: str          # its pytest marker, ex1 .. ex5
+    part: str          # its pytest marker, ex1 .. ex9
     stem: str          # the student's file, without .py
     func: str          # the function to write
     module: str        # where the reference lives
@@ -50,6 +50,8 @@ PIECES = {p.name: p for p in (
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
           "rejection sampler"),
     Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
+    Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
+          "paged decode kernel"),
 )}
 BY_PART = {p.part: p for p in PIECES.values()}
 
@@ -62,6 +64,31 @@ CALL_SITES = {
     "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
+    "paged_decode": [("kernels.paged_decode", "paged_decode"), ("kernels", "paged_decode")],
+}
+
+
+def _decode_first(student_decode, general):
+    """``kernels.paged_attention`` that hands a decode-only batch (one query per sequence) to ``student_decode``.
+
+    The engine's "triton" backend calls the general kernel for every step; this is how a decode step
+    reaches the student's paged decode kernel (ex9) without changing the engine.
+    """
+    def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        max_query_len=None):
+        B = seq_lens.shape[0]
+        if B and query.shape[0] == B and query_start_loc.cpu().tolist() == list(range(B + 1)):
+            return student_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return general(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                       max_query_len=max_query_len)
+    paged_attention.student = student_decode
+    return paged_attention
+
+
+# Call sites that take an adapter of the student's function rather than the function itself:
+# piece -> [(module, attribute, make(student_fn, the attribute's current value) -> replacement)].
+ADAPTED_SITES = {
+    "paged_decode": [("kernels", "paged_attention", _decode_first)],   # decode steps of the "triton" backend
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -174,6 +201,11 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
             mod = sys.modules[mod_name]
             patch.changes.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, new)
+        for mod_name, attr, make in ADAPTED_SITES.get(name, []):
+            mod = importlib.import_module(mod_name)
+            old = getattr(mod, attr)
+            patch.changes.append((mod, attr, old))
+            setattr(mod, attr, make(new, old))
     return patch
 
 

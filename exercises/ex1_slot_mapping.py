@@ -41,5 +41,7 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
     offset inside that block is position % block_size. You may assume every position falls
     inside the blocks its table holds (the allocator handed them out before the step).
     A Python loop over sequences is fine; torch.arange builds each sequence's positions.
+    Build the slots on the CPU and move the result with ``.to(device)`` at the end: the tests
+    also ask for device="meta", a device that holds shapes but no values.
     """
     raise NotImplementedError("Exercise 1: slot_mapping (exercises/ex1_slot_mapping.py)")

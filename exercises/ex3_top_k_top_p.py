@@ -13,8 +13,9 @@ the softmax gives it probability 0 and renormalises over what is left.
 * **top-p** (Holtzman et al., "The Curious Case of Neural Text Degeneration",
   ICLR 2020, Sec. 3.1) keeps the *smallest* set of most probable tokens whose
   total probability reaches top_p. The token that crosses the boundary is kept
-  (with top_p = 0.6 and probabilities 0.5, 0.3, 0.2 you keep 0.5 and 0.3), and
-  any token tied with the last one kept is kept too. top_p = 1: no filtering.
+  (with top_p = 0.6 and probabilities 0.5, 0.3, 0.2 you keep 0.5 and 0.3); a set
+  whose mass *equals* top_p has reached it (top_p = 0.8 keeps 0.5 and 0.3 only),
+  and any token tied with the last one kept is kept too. top_p = 1: no filtering.
   The probabilities are those of the logits *after* top-k (softmax over what
   top-k kept), since top-k runs first.
 
@@ -30,6 +31,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
     top_k: -1 or 0 = off; top_p in (0, 1], 1.0 = off. Kept logits keep their values unchanged
     (do not normalise them); return a new tensor, or the input itself when nothing is filtered.
+    Never write into ``logits`` itself: the caller still uses it (``masked_fill``, not ``masked_fill_``).
 
     Hints:
       * top-k: ``torch.topk(logits, k).values[-1]`` is the k-th largest value; keep

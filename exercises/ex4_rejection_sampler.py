@@ -37,7 +37,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.
         (k for every row when num_draft_tokens is None); entries past k_b are padding (e.g. -1):
         never read them.
     draft_probs [B, k, V] float: q_i, or None for one-hot drafts (n-gram). With q one-hot at x,
-        the acceptance probability is p(x) and the residual is p with x removed.
+        the acceptance probability is p(x) and the residual is p with x removed. Row b's entries
+        past k_b are padding too (anything, even NaN).
     target_probs [B, k+1, V] float: p_1..p_{k+1}; row b's bonus distribution is at index k_b.
     generators: None or B entries, each a torch.Generator or None. Draw every random number of
         row b from generators[b] (``torch.rand((), generator=g)``, ``torch.multinomial(d, 1, generator=g)``),
@@ -49,6 +50,9 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.
     so row b has num_accepted[b] + 1 valid tokens.
 
     Example (greedy, k=3): drafts [1, 2, 9], argmax p = [1, 2, 3, 4] -> tokens [1, 2, 3, -1], accepted 2.
+
+    Each position is a fresh trial: draw a new uniform for every draft you check, and stop at the
+    first rejection (the accepted drafts are a prefix).
 
     Hints: a Python loop over rows, and over positions inside a row, is fine. Work in float64 on
     the CPU (``.double().cpu()``). ``torch.multinomial`` accepts weights that do not sum to 1,

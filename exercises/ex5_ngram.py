@@ -25,7 +25,8 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
         earlier occurrence may overlap it);
       * if found, return the up to k tokens that followed it, token_ids[s+n : s+n+k]
         (fewer than k when the context ends first).
-    n never exceeds len(token_ids) - 1. k == 0 -> [].
+    n never exceeds len(token_ids) - 1. k == 0 -> []. Token ids are any ints (bytes: 0..255),
+    not digits; compare them as ints. ``token_ids`` is the sequence itself: read it, never change it.
 
     Hints: plain Python lists and slices are all you need. Scan s downwards from len - n - 1.
     """

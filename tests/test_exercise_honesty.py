@@ -29,15 +29,27 @@ def mutant_piece(path: Path):
     return max(hits, key=lambda p: len(p.name)) if hits else None
 
 
-def untouched(p) -> bool:
-    """The shipped stub: the function's body is its docstring and ``raise NotImplementedError(...)``."""
-    tree = ast.parse((PKG / f"{p.stem}.py").read_text())
-    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == p.func]
-    if len(fns) != 1:
+def unwritten(fn: ast.FunctionDef) -> bool:
+    """The function's body is its docstring and one statement saying it is not written yet:
+    ``raise NotImplementedError(...)``, or in a Triton kernel ``tl.static_assert(False, ...)``."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    if len(body) != 1:
         return False
-    body = fns[0].body
-    return (len(body) == 2 and isinstance(body[0], ast.Expr) and isinstance(body[1], ast.Raise)
-            and "NotImplementedError" in ast.unparse(body[1]))
+    if isinstance(body[0], ast.Raise):
+        return "NotImplementedError" in ast.unparse(body[0])
+    call = body[0].value if isinstance(body[0], ast.Expr) else None
+    return (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("static_assert")
+            and bool(call.args) and ast.unparse(call.args[0]) == "False")
+
+
+def untouched(p) -> bool:
+    """The shipped stub: a function of it is still unwritten (the piece's function itself, or for ex9 the
+    kernel it launches)."""
+    tree = ast.parse((PKG / f"{p.stem}.py").read_text())
+    return any(isinstance(n, ast.FunctionDef) and unwritten(n) for n in tree.body)
 
 
 def student_files(dest: Path, replace=None) -> Path:
@@ -74,6 +86,11 @@ def graded(tmp_path_factory):
                                  str(tmp / f"{name}.log")))
         names.append((name, junit))
 
+    events = tmp / "collect.jsonl"                    # what the grader's trusted collection sees
+    jobs.append(_harness.Job([*COMMON, "--collect-only", "-p", "exercises._grade_plugin"],
+                             {"MINIBATCH_STUDENT": None, "MINIBATCH_GRADE_EVENTS": str(events)},
+                             str(tmp / "collect.log")))
+    names.append(("collect", events))
     add("stubs", "all", student_files(tmp / "stubs"), [])
     add("reference", "all", shim_files(tmp / "reference"), [])
     for m in MUTANTS:
@@ -83,16 +100,42 @@ def graded(tmp_path_factory):
     rcs = _harness.run(jobs)
     out = {}
     for (name, junit), rc, job in zip(names, rcs, jobs):
+        if name == "collect":
+            from exercises.grade import read_events
+            out[name] = (rc, [e for e in read_events(junit) if e.get("e") == "collected"], "")
+            continue
         results = _harness.parse_junit(junit) if junit.exists() else []
         out[name] = (rc, results, Path(job.log).read_text(errors="replace"))
     return out
 
 
-def test_every_piece_has_at_least_two_mutants():
+def test_every_piece_has_at_least_four_mutants():
     assert all(mutant_piece(m) for m in MUTANTS), \
         f"mutants must be named <piece>_<bug>.py: {[m.name for m in MUTANTS if not mutant_piece(m)]}"
     for p in exercises.PIECES.values():
-        assert sum(mutant_piece(m) == p for m in MUTANTS) >= 2, f"{p.name}: fewer than 2 mutants"
+        assert sum(mutant_piece(m) == p for m in MUTANTS) >= 4, f"{p.name}: fewer than 4 mutants"
+
+
+@pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS])
+def test_mutant_is_a_working_wrong_answer(mutant):
+    """A mutant must be caught for its bug, not for failing to load: it compiles, defines the piece's function,
+    and its docstring names its exercise."""
+    path = PKG / "mutants" / f"{mutant}.py"
+    p = mutant_piece(path)
+    tree = ast.parse(path.read_text(), str(path))                       # a SyntaxError fails here
+    assert any(isinstance(n, ast.FunctionDef) and n.name == p.func for n in tree.body), f"no {p.func}() in {path}"
+    doc = ast.get_docstring(tree) or ""
+    assert doc.startswith(f"Mutant (exercise {p.part[2:]})"), f"{path.name}: docstring must name the bug: {doc!r}"
+
+
+def test_every_graded_test_carries_its_parts_marker(graded):
+    """The grader counts a part's tests by marker, this file by file name: the two must agree, one part each."""
+    rc, collected, _ = graded["collect"]
+    assert rc == 0 and collected, "the collection of tests/exercises failed"
+    parts = collected[-1]["parts"]
+    assert {p for p in parts.values()} == set(exercises.BY_PART), parts
+    for nodeid, part in parts.items():
+        assert f"/test_{part}_" in nodeid, f"{nodeid}: marker {part!r} (want exactly one, the file's part)"
 
 
 @pytest.mark.parametrize("part", sorted(exercises.BY_PART))
@@ -123,6 +166,8 @@ def test_mutant_fails_a_graded_test(graded, mutant):
     part = mutant_piece(PKG / "mutants" / f"{mutant}.py").part
     failed = [r for r in results if r.outcome == "failed" and r.part == part]
     assert rc == 1 and failed, f"{mutant} passed every {part} test it ran (exit {rc}):\n{log[-3000:]}"
+    assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError", "ModuleNotFoundError")), \
+        f"{mutant} failed to load, not for its bug:\n{failed[0].output[:2000]}"
 
 
 # -- the switch ------------------------------------------------------------------------------------------
@@ -198,4 +243,32 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
         got = generate()
     assert got == want
     for name in exercises.PIECES:
+        if name == "paged_decode":                 # a Triton kernel: the "triton" backend's decode steps, below
+            continue
         assert exercises.student(name).__globals__["CALLS"], f"the engine never called the student's {name}"
+
+
+@pytest.mark.interpreter
+def test_patch_engine_sends_decode_steps_to_the_students_kernel(monkeypatch, tmp_path):
+    """ex9: on the "triton" backend, decode-only steps run the student's paged decode kernel; the rest the reference."""
+    import torch
+    import kernels
+    from minibatch import LLM, SamplingParams
+    from minibatch.model.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=32, n_ctx=64)).eval()
+
+    def generate():
+        llm = LLM(model, block_size=4, attention_backend="triton")
+        return [o.outputs[0].token_ids for o in llm.generate(["abcab", "xyz"], SamplingParams(temperature=0,
+                                                                                              max_tokens=4))]
+
+    want = generate()
+    general = kernels.paged_attention
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
+    with exercises.patch_engine("paged_decode"):
+        assert kernels.paged_attention is not general and kernels.paged_attention.student is kernels.paged_decode
+        got = generate()
+    assert kernels.paged_attention is general
+    assert got == want
+    assert exercises.student("paged_decode").__globals__["CALLS"], "no decode step reached the student's kernel"

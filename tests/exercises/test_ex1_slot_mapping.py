@@ -59,6 +59,30 @@ def test_block_size_one_and_one_big_block():
     check([[2]], [5], [11], 16, want=list(range(37, 48)))
 
 
+def test_idle_sequence_feeds_no_token():
+    # a sequence with nothing new this step contributes no slot; the others keep their order
+    check([[4, 1], [6], [3, 0]], [5, 2, 3], [2, 0, 2], 4, want=[5, 6, 15, 0])
+
+
+def on_device(block_tables, starts, counts, block_size, device):
+    """The result asked for on ``device``: int64 [T] there."""
+    got = impl()(block_tables, starts, counts, block_size, device=device)
+    T = sum(counts)
+    assert isinstance(got, torch.Tensor), f"must return a tensor, got {type(got).__name__}"
+    assert got.device == torch.device(device), f"asked for device={device!r}, got a tensor on {got.device}"
+    assert got.dtype == torch.int64 and tuple(got.shape) == (T,), \
+        f"want int64 [{T}] on {device}, got {got.dtype} {tuple(got.shape)}"
+    return got
+
+
+def test_device_argument_places_the_result():
+    # "meta" is a device that holds shapes but no data: the slots must be built (on the CPU is fine) and
+    # moved there, as the engine asks for its accelerator; on device="cpu" the values are checked too
+    tables, starts, counts = [[5, 2], [7]], [3, 0], [3, 2]
+    on_device(tables, starts, counts, 4, "meta")
+    assert on_device(tables, starts, counts, 4, torch.device("cpu")).tolist() == [23, 8, 9, 28, 29]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_mixed_batch(seed):
     # mixed decode / prefill / chunk, shuffled non-contiguous block ids, lengths not multiples of bs
@@ -75,3 +99,4 @@ def test_random_mixed_batch(seed):
         starts.append(start)
         counts.append(count)
     check(tables, starts, counts, bs)
+    on_device(tables, starts, counts, bs, "meta")                  # and where the engine asks for it

@@ -22,6 +22,7 @@ def run(logits, top_k, top_p):
     before = logits.clone()
     got = exercises.get("top_k_top_p")(logits, top_k, top_p)
     assert isinstance(got, torch.Tensor) and got.shape == logits.shape, "must return logits of the same shape [V]"
+    assert torch.equal(logits, before), "the caller's logits changed: filter a copy (masked_fill), not in place"
     ref = exercises.reference("top_k_top_p")(before.clone(), top_k, top_p)
     return before, got, ref
 
@@ -53,10 +54,12 @@ def test_top_k_keeps_ties_with_the_kth():
 
 
 def test_switched_off_is_the_identity():
-    row = [0.3, -2.0, 1.1, 0.0, -0.7]
-    for top_k, top_p in ((-1, 1.0), (0, 1.0), (5, 1.0), (9, 1.0)):
-        before, got, _ = run(row, top_k, top_p)
-        assert torch.equal(got, before), f"top_k={top_k}, top_p={top_p} must change nothing"
+    # in the second row the first token's probability rounds to 1 and the others' to almost or exactly 0, so
+    # the running mass reaches 1.0 before them: top_p = 1 must keep them all the same
+    for row in ([0.3, -2.0, 1.1, 0.0, -0.7, -3.0], [20.0, 0.0, -150.0, 1.0, -1.0, 2.0]):
+        for top_k, top_p in ((-1, 1.0), (0, 1.0), (6, 1.0), (9, 1.0)):
+            before, got, _ = run(row, top_k, top_p)
+            assert torch.equal(got, before), f"{row}: top_k={top_k}, top_p={top_p} must change nothing"
 
 
 @pytest.mark.parametrize("top_p,want", [(0.45, {2}), (0.6, {2, 0}), (0.9, {2, 0, 4})])
@@ -78,6 +81,34 @@ def test_top_p_keeps_ties_with_the_last_token_kept():
 def test_top_p_uses_the_distribution_after_top_k():
     # top-k=2 leaves 0.4 and 0.3, renormalised to 4/7 and 3/7: 4/7 alone already reaches 0.5
     check_keeps(logits_of([0.1, 0.3, 0.2, 0.4]), 2, 0.5, want={3})
+
+
+def test_the_callers_logits_are_not_changed():
+    # the engine reuses its logits (e.g. to log them, or for the next request in the batch): both filters
+    # active, and the input must come back exactly as it went in
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.5, -2.0, 1.0])
+    before = logits.clone()
+    got = exercises.get("top_k_top_p")(logits, 4, 0.7)
+    assert torch.equal(logits, before), f"the input logits changed: {logits.tolist()}, were {before.tolist()}"
+    assert got.data_ptr() != logits.data_ptr(), "something was filtered: return a new tensor"
+    assert kept_set(got) == {3, 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("top_p,want", [(0.5, {1}), (0.75, {1, 3})])
+def test_top_p_reached_exactly_keeps_no_more(dtype, top_p, want):
+    # probabilities 0.125, 0.5, 0.125, 0.25: dyadic, so softmax gives the two largest exactly and the running
+    # mass hits 0.5 and 0.75 exactly. The smallest set whose mass reaches top_p is complete there: the next
+    # token (mass before it == top_p, not below) stays out.
+    logits = torch.tensor([0.125, 0.5, 0.125, 0.25], dtype=torch.float64).log().to(dtype)
+    assert logits.softmax(-1)[[1, 3]].tolist() == [0.5, 0.25], "test setup: softmax is not exact here"
+    check_keeps(logits, -1, top_p, want)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 5, 8])
+def test_top_k_off_values_leave_only_the_nucleus(top_k):
+    # top_k <= 0 or >= V (5 tokens here; 8 is beyond the vocabulary) filters nothing, and top-p still applies
+    check_keeps(logits_of([0.3, 1e-4, 0.5, 1e-4, 0.2 - 2e-4]), top_k, 0.6, want={2, 0})
 
 
 def oracle(logits, top_k, top_p):
@@ -116,4 +147,24 @@ def test_random_rows_match_the_oracle(seed):
         want = torch.tensor(oracle(before.tolist(), top_k, top_p))
         assert torch.equal(got, want), f"V={V} top_k={top_k} top_p={top_p:.4f}: kept {sorted(kept_set(got))}, " \
                                        f"want {sorted(kept_set(want))}"
+        assert torch.equal(ref, want)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_rows_with_tied_logits_match_the_oracle(seed):
+    # logits on a coarse grid, so many tokens tie, at the k-th logit and at the nucleus boundary alike
+    rng = random.Random(100 + seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    for _ in range(6):
+        V = rng.choice([6, 12, 40])
+        logits = torch.randint(-3, 4, (V,), generator=g).float() / 2
+        top_k = rng.choice([1, 2, 3, V // 2])
+        surv = torch.tensor(oracle(logits.tolist(), top_k, 1.0)).double().softmax(-1).sort(descending=True).values
+        cum = surv.cumsum(0).tolist()
+        i = rng.randrange(0, max(1, int((surv > 0).sum()) - 1))
+        top_p = rng.choice([1.0, min(0.999, (cum[i] + (cum[i - 1] if i else 0.0)) / 2)])
+        before, got, ref = run(logits, top_k, top_p)
+        want = torch.tensor(oracle(before.tolist(), top_k, top_p))
+        assert torch.equal(got, want), f"logits {before.tolist()} top_k={top_k} top_p={top_p:.4f}: " \
+                                       f"kept {sorted(kept_set(got))}, want {sorted(kept_set(want))}"
         assert torch.equal(ref, want)

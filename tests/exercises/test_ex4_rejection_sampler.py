@@ -159,3 +159,108 @@ def test_seeded_rows_sample_the_same_alone_or_in_a_batch():
         assert alone == ([batch[0][b]], [batch[1][b]]), f"row {b} differs alone and in the batch"
     rev = fn(ids.flip(0), q.flip(0), p.flip(0), [torch.Generator().manual_seed(s) for s in seeds[::-1]])
     assert rev[0].flip(0).tolist() == batch[0], "the batch order changed a seeded row's tokens"
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+def test_sampled_rows_with_fewer_drafts_than_k(with_q):
+    # sampled (not greedy) rows with k_b = 3, 1, 0, 2 of k = 3 drafts. Every draft a row owns is accepted
+    # for sure (p == q there; n-gram: p one-hot at it) and every bonus distribution, at index k_b, is
+    # one-hot, so there is one right answer. Past k_b the drafts are real tokens that p would accept and
+    # the draft probabilities are NaN: a row must not read them.
+    drafts = [[3, 0, 2], [2, 5, 0], [-1, -1, -1], [1, 1, 3]]
+    ks = [3, 1, 0, 2]
+    bonus = [5, 4, 4, 3]
+    g = torch.Generator().manual_seed(3)
+    q = torch.full((4, 3, V), float("nan"), dtype=torch.float64) if with_q else None
+    p = torch.zeros(4, 4, V, dtype=torch.float64)
+    for b in range(4):
+        for i in range(4):
+            if i < ks[b]:                                        # the row's own drafts: certain acceptance
+                dist = torch.rand(V, generator=g, dtype=torch.float64).add(0.1)
+                dist = dist / dist.sum() if with_q else one_hot([drafts[b][i]])[0]
+                p[b, i] = dist
+                if with_q:
+                    q[b, i] = dist
+            elif i == ks[b]:                                     # its bonus distribution
+                p[b, i] = one_hot([bonus[b]])[0]
+            else:                                                # past it: would accept the padding draft
+                p[b, i] = one_hot([drafts[b][i] if i < 3 and drafts[b][i] >= 0 else 0])[0]
+    ids = torch.tensor(drafts)
+    want = ([[3, 0, 2, 5], [2, 4, -1, -1], [4, -1, -1, -1], [1, 1, 3, -1]], [3, 1, 0, 2])
+    gens = [torch.Generator().manual_seed(10 + b) for b in range(4)]
+    assert sample(ids, q, p, gens, num_draft_tokens=ks, greedy=[False] * 4) == want
+    assert reference(ids, q, p, [torch.Generator().manual_seed(10 + b) for b in range(4)], num_draft_tokens=ks,
+                     greedy=[False] * 4) == want
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["ngram", "draft_model"])
+def test_first_and_bonus_token_with_one_draft_of_three(with_q):
+    # k = 3 but every row owns one draft: the first token ~ p_1, and the bonus (rows that accepted it) ~ p_2;
+    # the positions past it hold a different law (one-hot at token 3), which nothing may draw from
+    N = 3000
+    g = torch.Generator().manual_seed(0)
+    if with_q:
+        first = torch.multinomial(Q, N, replacement=True, generator=g)[:, None]
+        q = torch.cat([Q.expand(N, 1, 4), torch.full((N, 2, 4), 0.25, dtype=torch.float64)], dim=1)
+    else:
+        first, q = (torch.arange(N) % 4)[:, None], None
+    drafts = torch.cat([first, torch.full((N, 2), 3)], dim=1)
+    p = torch.stack([P, P_BONUS, one_hot([3], 4)[0], one_hot([3], 4)[0]]).expand(N, 4, 4).clone()
+    for name, fn in (("yours", exercises.get("rejection_sampler")),
+                     ("reference", exercises.reference("rejection_sampler"))):
+        torch.manual_seed(99)
+        tokens, n = fn(drafts, q, p, None, [1] * N)
+        tokens, n = torch.as_tensor(tokens), torch.as_tensor(n)
+        assert int(n.max()) <= 1, f"{name}: a row accepted more drafts than the one it owns"
+        assert_distributed_as(tokens[:, 0], P, f"{name}: the first emitted token")
+        assert_distributed_as(tokens[n == 1, 1], P_BONUS, f"{name}: the bonus token (index k_b = 1)")
+
+
+# Three positions of a draft model far from the target, and the target's bonus distribution: per position
+# the acceptance rate is beta_i = sum_x min(p_i(x), q_i(x)) = 0.55, 0.65, 0.6.
+PS = torch.tensor([[0.5, 0.25, 0.15, 0.10], [0.1, 0.6, 0.2, 0.1], [0.3, 0.1, 0.1, 0.5], [0.7, 0.1, 0.1, 0.1]],
+                  dtype=torch.float64)
+QS = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.4, 0.3, 0.2, 0.1]], dtype=torch.float64)
+
+
+def test_accepted_count_and_later_tokens_follow_the_target():
+    # k = 3, drafts x_i ~ q_i independently. Each position is a fresh trial, so the number accepted has the law
+    #   P(n = j) = beta_1 ... beta_j (1 - beta_{j+1}),  P(n = 3) = beta_1 beta_2 beta_3,
+    # and the token emitted at position i (by the rows that got there) is distributed as p_i, the bonus as p_4.
+    # One uniform reused along a row, or counting drafts accepted after a rejection, changes this law while
+    # the first position still looks right.
+    N = 6000
+    beta = torch.minimum(PS[:3], QS).sum(-1).tolist()
+    law = torch.tensor([1 - beta[0], beta[0] * (1 - beta[1]), beta[0] * beta[1] * (1 - beta[2]),
+                        beta[0] * beta[1] * beta[2]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(QS[i], N, replacement=True, generator=g) for i in range(3)], dim=1)
+    for name, fn in (("yours", exercises.get("rejection_sampler")),
+                     ("reference", exercises.reference("rejection_sampler"))):
+        torch.manual_seed(4321)
+        tokens, n = fn(drafts, QS.expand(N, 3, 4).clone(), PS.expand(N, 4, 4).clone())
+        tokens, n = torch.as_tensor(tokens), torch.as_tensor(n)
+        assert_distributed_as(n, law, f"{name}: the number of drafts accepted (0..3)")
+        for i in range(1, 4):
+            assert_distributed_as(tokens[n >= i, i], PS[i], f"{name}: the token emitted at position {i}")
+
+
+def test_seeded_rows_leave_the_global_generator_alone():
+    # every row has its own generator (or is greedy): nothing may be drawn from torch's global generator, and the
+    # tokens are the same whatever state the global generator is in
+    g = torch.Generator().manual_seed(8)
+    B, k = 4, 3
+    p = torch.rand(B, k + 1, V, generator=g, dtype=torch.float64).mul(3).softmax(-1)
+    q = random_q(B, k, seed=9)
+    ids = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, k)
+    greedy = [False, False, True, False]
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        runs.append(sample(ids, q, p, [torch.Generator().manual_seed(s) for s in (21, 22, 23, 24)], greedy=greedy))
+        assert torch.equal(torch.get_rng_state(), state), "a seeded row drew from the global generator"
+    assert runs[0] == runs[1], "the global generator's state changed a seeded row's tokens"
+    state = torch.get_rng_state()
+    sample(ids, q, p, None, greedy=[True] * B)
+    assert torch.equal(torch.get_rng_state(), state), "greedy rows must use no randomness at all"

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.ex5
 
 
 def propose(tokens, k, n_max=3, n_min=1):
-    got = exercises.get("ngram")(list(tokens), k, n_max, n_min)
+    arg = list(tokens)
+    got = exercises.get("ngram")(arg, k, n_max, n_min)
+    assert arg == list(tokens), "the caller's token list changed: it is the sequence itself, read it only"
     assert isinstance(got, list) and all(isinstance(t, int) for t in got), f"must return a list of ints, got {got!r}"
     assert got == exercises.reference("ngram")(list(tokens), k, n_max, n_min)
     return got
@@ -34,6 +36,10 @@ CASES = {  # name: (tokens, k, n_max, n_min, want)
     "n_max_1_unigram": ([7, 8, 9, 7, 3, 7], 2, 1, 1, [3, 7]),
     "k_zero": ([1, 2, 1, 2], 0, 3, 1, []),
     "too_short": ([4], 3, 3, 1, []),
+    # ids are bytes (0..255), not digits: "1, 2" is not inside "11, 2", and 12 is one token
+    "multi_digit_ids": ([11, 2, 7, 3, 2, 1, 2], 2, 3, 1, [1, 2]),
+    "bytes_of_hello_he": ([104, 101, 108, 108, 111, 32, 104, 101], 3, 3, 1, [108, 108, 111]),
+    "two_digit_false_match": ([12, 1, 5, 21, 2, 6, 1, 2], 2, 2, 2, []),
 }
 
 
@@ -63,6 +69,20 @@ def test_random_repetitive_contexts(seed):
         vocab = rng.choice([2, 3, 5])                         # a small vocabulary repeats a lot
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
         k, n_min = rng.randrange(0, 6), rng.randrange(1, 3)
+        n_max = n_min + rng.randrange(0, 4)
+        want = oracle(tokens, k, n_max, n_min)
+        assert propose(tokens, k, n_max, n_min) == want, f"tokens {tokens} k={k} n_max={n_max} n_min={n_min}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_contexts_with_multi_digit_ids(seed):
+    # ids whose decimal digits overlap (1, 11, 12, 21, 112, ...): a search over the ids written as a string
+    # finds n-grams that are not there
+    rng = random.Random(50 + seed)
+    for _ in range(60):
+        vocab = rng.choice([[1, 11, 2], [1, 12, 21, 2], [1, 11, 111, 112, 12, 2, 121, 211]])
+        tokens = [rng.choice(vocab) for _ in range(rng.randrange(1, 30))]
+        k, n_min = rng.randrange(1, 6), rng.randrange(1, 3)
         n_max = n_min + rng.randrange(0, 4)
         want = oracle(tokens, k, n_max, n_min)
         assert propose(tokens, k, n_max, n_min) == want, f"tokens {tokens} k={k} n_max={n_max} n_min={n_min}"

@@ -1,0 +1,21 @@
+"""Mutant (exercise 2): assumes a sequence's blocks follow each other in the pool, from its first block on."""
+import torch
+
+
+def paged_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    T, H, D = query.shape
+    N, bs, Hkv, _ = key_cache.shape
+    out = torch.zeros_like(query)
+    qsl = query_start_loc.tolist()
+    for b, L in enumerate(seq_lens.tolist()):
+        s, e = qsl[b], qsl[b + 1]
+        n = e - s
+        first = int(block_tables[b, 0])
+        blocks = torch.arange(first, first + -(-L // bs))      # BUG: the table is not read past its first entry
+        k = key_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)
+        v = value_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale
+        q_pos = torch.arange(L - n, L)[:, None]
+        scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

@@ -1,0 +1,43 @@
+"""Mutant (exercise 4): verifies every draft and counts all that pass, instead of stopping at the first
+rejection (the accepted drafts must be a prefix)."""
+import torch
+
+
+def rejection_sample(draft_token_ids, draft_probs, target_probs, generators=None, num_draft_tokens=None,
+                     greedy=None):
+    B, k = draft_token_ids.shape
+    ks = [k] * B if num_draft_tokens is None else list(num_draft_tokens)
+    greedy = [False] * B if greedy is None else list(greedy)
+    p_all = target_probs.double().cpu()
+    q_all = None if draft_probs is None else draft_probs.double().cpu()
+    drafts = draft_token_ids.tolist()
+    rows, accepted = [], []
+    for b in range(B):
+        g = generators[b] if generators is not None else None
+        n = 0
+        for i in range(ks[b]):
+            x = drafts[b][i]
+            p = float(p_all[b, i, x])
+            q = 1.0 if q_all is None else float(q_all[b, i, x])
+            if greedy[b]:
+                ok = x == int(p_all[b, i].argmax())
+            else:
+                u = float(torch.rand((), dtype=torch.float64, generator=g))
+                ok = u * q < p
+            n += int(ok)                          # BUG: should stop at the first rejection
+        if greedy[b]:
+            extra = int(p_all[b, n].argmax())
+        else:
+            dist = p_all[b, n]
+            if n < ks[b]:
+                if q_all is None:
+                    residual = dist.clone()
+                    residual[drafts[b][n]] = 0
+                else:
+                    residual = (dist - q_all[b, n]).clamp(min=0)
+                if residual.sum() > 0:
+                    dist = residual
+            extra = int(torch.multinomial(dist, 1, generator=g))
+        rows.append(drafts[b][:n] + [extra] + [-1] * (k - n))
+        accepted.append(n)
+    return torch.tensor(rows, dtype=torch.int64).view(B, k + 1), torch.tensor(accepted, dtype=torch.int64)

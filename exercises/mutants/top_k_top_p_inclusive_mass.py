@@ -1,0 +1,17 @@
+"""Mutant (exercise 3): keeps a token while the mass before it is <= top_p, so when the
+mass reaches top_p exactly one token too many stays."""
+import torch
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = logits.softmax(-1)
+        sorted_p, _ = probs.sort(descending=True)
+        mass_before = sorted_p.cumsum(0) - sorted_p
+        keep_sorted = mass_before <= top_p                      # BUG: < top_p
+        threshold = sorted_p[keep_sorted].min()
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

@@ -1,0 +1,207 @@
+"""The grader survives a student: real misbehaving student files, graded as a student would be.
+
+Each part runs in its own process (exercises/grade.py); here student files in a
+temporary MINIBATCH_STUDENT_DIR hang, exit, get killed, end the session early,
+deselect tests, skip, run out of memory, and the report must show the damage on
+their own part only, say what happened, and still be a complete Gradescope
+report. Small time limits keep this file fast; each grading session costs a
+Python start with torch (a few seconds), so the behaviours share sessions: one
+part each.
+"""
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+import exercises
+from exercises import grade
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "killpg") or not hasattr(signal, "SIGALRM"),
+                                reason="the grader's process-group and alarm handling are POSIX")
+
+
+def delegate(piece, prelude="", before_call=""):
+    """A student's file for ``piece`` that does ``before_call`` and then hands the call to the reference."""
+    p = exercises.piece(piece)
+    body = textwrap.indent(textwrap.dedent(before_call).strip() or "pass", "    ")
+    return (f"import exercises\n{textwrap.dedent(prelude)}\n\n"
+            f"def {p.func}(*args, **kwargs):\n{body}\n"
+            f"    return exercises.reference({p.name!r})(*args, **kwargs)\n")
+
+
+def write_students(directory, files):
+    directory.mkdir(parents=True, exist_ok=True)
+    for piece, source in files.items():
+        (directory / f"{exercises.piece(piece).stem}.py").write_text(source)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    """The trusted collection, made once for the parts used here."""
+    pieces = grade.parse_parts("ex1,ex2,ex3,ex4,ex5")
+    return grade.collect(pieces, tmp_path_factory.mktemp("collect"))
+
+
+def by_part(runs):
+    return {r.piece.part: r for r in runs}
+
+
+def test_collection_knows_every_part(expected):
+    for part in ("ex1", "ex2", "ex3", "ex4", "ex5"):
+        assert len(expected[part]) >= 5, f"{part}: {expected[part]}"
+        assert all(f"test_{part}_" in t for t in expected[part])
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory, expected):
+    """ex1 hangs in one test; ex3 calls os._exit(1); ex4 is SIGKILLed (as by the OOM killer); ex5 calls
+    pytest.exit(returncode=0) -- all in one grading run, each part in its own process."""
+    d = write_students(tmp_path_factory.mktemp("crashes"), {
+        "ex1": delegate("ex1", "", "if args[3] == 1:\n    while True:\n        pass"),
+        "ex3": delegate("ex3", "import os", "os._exit(1)"),
+        "ex4": delegate("ex4", "import os, signal", "os.kill(os.getpid(), signal.SIGKILL)"),
+        "ex5": delegate("ex5", "import pytest", "pytest.exit('done early', returncode=0)"),
+    })
+    t0 = time.perf_counter()
+    runs = grade.grade(grade.parse_parts("ex1,ex3,ex4,ex5"), d, part_timeout=120, test_timeout=3,
+                       expected=expected)
+    table, rep = grade.report(runs, time.perf_counter() - t0)
+    return by_part(runs), table, rep
+
+
+def test_a_hang_in_one_test_costs_that_test_only(crashes):
+    runs, table, rep = crashes
+    r = runs["ex1"]
+    assert not r.problem, r.problem
+    failed = [t for t in r.expected if r.outcomes[t].status != "passed"]
+    assert [t.split("::")[-1] for t in failed] == ["test_block_size_one_and_one_big_block"]
+    assert "Timeout" in r.outcomes[failed[0]].message
+    assert r.score == pytest.approx(grade.POINTS["ex1"] * (len(r.expected) - 1) / len(r.expected))
+
+
+def test_os_exit_costs_its_part_and_says_so(crashes):
+    runs, table, rep = crashes
+    r = runs["ex3"]
+    assert r.score == 0 and "exited with status 1" in r.problem and "os._exit" in r.problem
+    assert "while running test_" in r.problem
+
+
+def test_an_out_of_memory_kill_costs_its_part_and_says_so(crashes):
+    runs, table, rep = crashes
+    r = runs["ex4"]
+    assert r.score == 0 and "SIGKILL" in r.problem and "out-of-memory" in r.problem
+
+
+def test_pytest_exit_with_status_0_scores_0(crashes):
+    runs, table, rep = crashes
+    r = runs["ex5"]
+    assert r.score == 0 and "pytest.exit()" in r.problem
+    assert f"of the {len(r.expected)} tests it must run" in r.problem
+
+
+def test_the_report_is_complete_and_in_gradescope_format(crashes, expected):
+    runs, table, rep = crashes
+    assert set(rep) >= {"score", "execution_time", "output", "tests"}
+    assert isinstance(rep["score"], float) and isinstance(rep["execution_time"], float)
+    json.dumps(rep)                                                   # serialisable as it is
+    names = [t["name"] for t in rep["tests"]]
+    assert len(names) == len(set(names)) == sum(len(expected[p]) for p in ("ex1", "ex3", "ex4", "ex5"))
+    for t in rep["tests"]:
+        assert set(t) >= {"name", "score", "max_score", "output", "status", "visibility"}
+        assert t["status"] == ("passed" if t["score"] == t["max_score"] else "failed")
+        assert t["visibility"] == "visible" and 0 <= t["score"] <= t["max_score"]
+    ex3 = [t for t in rep["tests"] if t["tags"] == ["ex3"]]
+    assert all(t["score"] == 0 and "The part scores 0: the test process exited" in t["output"] for t in ex3)
+    assert rep["score"] == pytest.approx(sum(t["score"] for t in rep["tests"]), abs=1e-3)
+    assert rep["score"] == pytest.approx(runs["ex1"].score, abs=1e-3)
+    for part in ("ex3", "ex4", "ex5"):
+        assert f"{part} (" in table and "scores 0" in table
+
+
+def test_a_hang_that_blocks_the_alarm_is_stopped_at_the_part_limit(tmp_path, expected, monkeypatch):
+    """SIGALRM blocked, so the per-test limit cannot fire: the part's limit kills the process and what it started.
+    (The student's directory comes from MINIBATCH_STUDENT_DIR here, as a student running it locally would set.)"""
+    pid_file = tmp_path / "child.pid"
+    d = write_students(tmp_path / "s", {"ex2": delegate("ex2", "import signal, subprocess, sys", f"""
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGALRM}})
+        while True:
+            pass""")})
+    t0 = time.perf_counter()
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(d))
+    (r,) = grade.grade(grade.parse_parts("ex2"), None, part_timeout=8, test_timeout=1, expected=expected)
+    assert time.perf_counter() - t0 < 60
+    assert r.score == 0 and "time limit of 8 s" in r.problem, r.problem + r.log
+    child = int(pid_file.read_text())
+    for _ in range(50):                                               # the kill reached the student's child too
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("a process the student's code started outlived its part")
+
+
+DESELECT = """
+    import gc
+    import _pytest.main
+    for o in gc.get_objects():
+        if isinstance(o, _pytest.main.Session):
+            del o.items[1:]           # the session now ends after this test, with exit status 0
+"""
+
+
+def address_space_mb() -> float:
+    """This process's virtual size (torch imported, as in a grading session), in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_deselection_skips_and_memory_through_the_command_line(tmp_path, capsys):
+    """ex1 deselects the rest of its session; ex3 skips every test at import; ex5 runs out of memory under
+    --memory-mb in one test; ex2 is right. Through main(), which writes results.json."""
+    cap = address_space_mb() + 1500                      # room for a session, not for the hog's extra 2 GiB
+    hog = int((cap + 2048) * 2 ** 20 / 4)                # float32 elements
+    d = write_students(tmp_path / "s", {
+        "ex1": delegate("ex1", "", DESELECT),
+        "ex3": delegate("ex3", "import pytest\npytest.skip('not today', allow_module_level=True)"),
+        "ex2": delegate("ex2"),
+        "ex5": delegate("ex5", "import torch\nHOG = []", "if len(args[0]) > 25 and not HOG:\n"
+                        f"    HOG.append(1)\n    torch.ones({hog})   # more than the cap"),
+    })
+    out = tmp_path / "results" / "results.json"
+    rc = grade.main(["--parts", "ex1,ex2,ex3,ex5", "--student-dir", str(d), "--json", str(out),
+                     "--test-timeout", "30", "--part-timeout", "120", "--memory-mb", f"{cap:.0f}"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    parts = rep["extra_data"]["parts"]
+    assert "deselection" in parts["ex1"]["problem"] and parts["ex1"]["score"] == 0
+    assert parts["ex2"]["score"] == grade.POINTS["ex2"] and not parts["ex2"]["problem"]
+    assert parts["ex3"]["score"] == 0 and parts["ex3"]["passed"] == 0 and not parts["ex3"]["problem"]
+    ex3 = [t for t in rep["tests"] if t["tags"] == ["ex3"]]
+    assert ex3 and all(t["output"].startswith("skipped: not today") for t in ex3)
+    assert not parts["ex5"]["problem"] and parts["ex5"]["passed"] == parts["ex5"]["tests"] - 1
+    hog = [t for t in rep["tests"] if t["tags"] == ["ex5"] and t["status"] == "failed"]
+    assert len(hog) == 1 and hog[0]["output"].startswith("out of memory?"), hog
+    assert rep["score"] == pytest.approx(parts["ex2"]["score"] + parts["ex5"]["score"])
+    assert "ex1 (slot mapping) scores 0" in printed and rep["output"] in printed
+
+
+def test_results_json_is_written_even_when_the_grader_fails(tmp_path, monkeypatch, capsys):
+    def broken(*a, **k):
+        raise grade.GradingError("no tests here")
+    monkeypatch.setattr(grade, "collect", broken)
+    out = tmp_path / "results.json"
+    assert grade.main(["--parts", "ex1", "--json", str(out)]) == 2
+    rep = json.loads(out.read_text())
+    assert rep["score"] == 0 and rep["tests"] == [] and "no tests here" in rep["output"]
+    assert "grading failed" in capsys.readouterr().err
