@@ -85,10 +85,22 @@ def _decode_first(student_decode, general):
     return paged_attention
 
 
+def _decode_first_in_engine(student_decode, attend):
+    """The engine's "triton" attention (``minibatch.kv.backends._triton_attend``: query, caches, the step's
+    metadata, scale) with decode-only steps handed to ``student_decode``."""
+    def triton_attend(query, key_cache, value_cache, md, scale):
+        if md.max_query_len == 1 and query.shape[0] == len(md.seq_lens_list):
+            return student_decode(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale)
+        return attend(query, key_cache, value_cache, md, scale)
+    triton_attend.student = student_decode
+    return triton_attend
+
+
 # Call sites that take an adapter of the student's function rather than the function itself:
 # piece -> [(module, attribute, make(student_fn, the attribute's current value) -> replacement)].
 ADAPTED_SITES = {
-    "paged_decode": [("kernels", "paged_attention", _decode_first)],   # decode steps of the "triton" backend
+    "paged_decode": [("kernels", "paged_attention", _decode_first),                 # direct and debug calls
+                     ("minibatch.kv.backends", "_triton_attend", _decode_first_in_engine)],   # the engine's
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -270,7 +270,7 @@ def get(backend: str, checked: bool = False):
         if checked:
             return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
                 q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s)
-        return _triton_store, _triton_attend
+        return _triton_store, lambda q, kc, vc, md, s: _triton_attend(q, kc, vc, md, s)   # by name: patchable
     if checked:
         attend = paged_attention_loop if backend == "loop" else paged_attention_batched
         return store_kv_torch, _checked(attend)
