@@ -140,7 +140,8 @@ def _cost_ratio(model, draft, reps=50, rounds=5) -> float:
 
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
-OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency"}
+OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
+          "peers": "minibatch.bench.peers", "online": "minibatch.bench.online"}
 
 
 def main(argv=None):
