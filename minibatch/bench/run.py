@@ -4,6 +4,8 @@
     python -m minibatch.bench speculative  [--ks 1,2,3,4,6,8 --batch-sizes 1,8]
     python -m minibatch.bench attention    Triton vs PyTorch paged attention (GB/s on a GPU)
     python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged
+    python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
+    python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up.
