@@ -75,6 +75,23 @@ def test_greedy_outputs_equal_token_for_token(hf_pair, name):
         assert out.outputs[0].token_ids == y[0, x.shape[1]:].tolist()
 
 
+def test_padding_past_the_context_gets_zero_positions_and_keeps_useful_tokens_exact(hf_pair):
+    model, _ = hf_pair["target"]
+    long = peers.to_hf(model, n_positions=600)
+    assert long.config.n_positions == 600 and not long.transformer.wpe.weight[512:].any()
+    tokens = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (peers.minibatch_logits(model, tokens) - long(tokens).logits).abs().max() <= peers.LOGITS_TOL
+    with pytest.raises(ValueError):
+        peers.to_hf(model, n_positions=100)
+    # one padded batch: a 300-byte prompt wanting 2 tokens waits for a short one wanting 250 (300 + 250 > 512)
+    prompts, lens = ["x = 1\n" * 50, "def f():\n"], [2, 250]
+    outs, _ = peers.hf_padded(model, prompts, lens, slots=2)()
+    ours = LLM(model, max_num_seqs=2, scheduling="static").generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == outs and list(map(len, outs)) == lens
+
+
 def test_slot_bound():
     assert peers.slot_bound([5, 5, 5, 5], 2) == 1.0                  # equal lengths: nothing to win
     assert peers.slot_bound([4, 1, 1, 4], 2) == (4 + 4) * 2 / 10      # two batches, each waits for a 4

@@ -52,13 +52,21 @@ PAD = 0                                       # byte 0 (NUL) never occurs in cod
 LOGITS_TOL = 1e-4
 
 
-def to_hf(model: GPT):
-    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0)."""
+def to_hf(model: GPT, n_positions: int | None = None):
+    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0).
+
+    n_positions > n_ctx appends zero position embeddings, for padded static batches only: a member that
+    finished keeps computing thrown-away tokens until the batch's longest is done, and may run past the
+    n_ctx learned positions; its useful tokens never do (prompt + max_tokens <= n_ctx).
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
     if not isinstance(model, GPT):
         raise TypeError(f"to_hf needs a minibatch GPT, got {type(model).__name__}")
     c = model.config
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.n_ctx, n_embd=c.n_embd, n_layer=c.n_layer,
+    n_positions = c.n_ctx if n_positions is None else n_positions
+    if n_positions < c.n_ctx:
+        raise ValueError(f"n_positions must be >= the model's context {c.n_ctx}, got {n_positions}")
+    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
                      n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=model.h[0].ln_1.eps,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
                      bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
@@ -67,6 +75,8 @@ def to_hf(model: GPT):
     for name, t in model.state_dict().items():
         if name.endswith(".weight") and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc"):
             t = t.t()                                  # nn.Linear [out, in] -> Conv1D [in, out]
+        if name == "wpe.weight":                       # [n_ctx, C] -> [n_positions, C]
+            t = torch.cat([t, t.new_zeros(n_positions - c.n_ctx, c.n_embd)])
         state[f"transformer.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
@@ -125,9 +135,11 @@ def hf_each(hf, prompts, max_tokens: int, before=None, **generate_kwargs):
     return run
 
 
-def hf_padded(hf, prompts, max_tokens: list, slots: int):
+def hf_padded(model: GPT, prompts, max_tokens: list, slots: int):
     """HF generate on left-padded batches of `slots` in order, each to its longest member; outputs trimmed."""
     ids = [encode(p) for p in prompts]
+    reach = max(len(x) + max(max_tokens[s - s % slots:s - s % slots + slots]) for s, x in enumerate(ids))
+    hf = to_hf(model, n_positions=max(reach, model.config.n_ctx))     # see to_hf: padding's own positions
 
     def run():
         t, outs = time.perf_counter(), []
@@ -236,7 +248,7 @@ def time_rows(args, target, hf_target, hf_draft, wl, short) -> dict:
                 hf_continuous(hf_target, prompts, lens, slots, args.block_size, args.max_num_batched_tokens), r)),
             "static": (f"generate, left-padded x{slots}", race(
                 mb_side(target, prompts, per_req, max_num_seqs=slots, scheduling="static", **kv),
-                hf_padded(hf_target, prompts, lens, slots), r)),
+                hf_padded(target, prompts, lens, slots), r)),
             "plain": ("generate, batch 1", race(
                 mb_side(target, short, one, max_num_seqs=1), hf_each(hf_target, short, args.max_tokens), r))}
 
@@ -304,7 +316,9 @@ def _run(args, hf_version: str) -> int:
         return 1
     print(f"\ncontinuous/static rows: {describe(wl)}\nbatch-1 rows: {len(short)} prompts x {args.max_tokens} "
           f"tokens, greedy. Each row: best of {args.repeats} alternating runs (min-max); mb/HF = ratio of bests "
-          f"(range over rounds); same = requests with equal tokens; own speed-up = over its own plain row.")
+          f"(range over rounds); same = requests with equal tokens; own speed-up = over its own plain row.\n"
+          f"static, HF side: finished members compute thrown-away tokens until their batch's longest is done, "
+          f"past position {target.config.n_ctx} if need be (zero position embeddings there).")
     rows = time_rows(args, target, hf_target, hf_draft, wl, short)
     print(format_rows(rows))
     slots, bound = args.max_num_seqs, slot_bound([w.max_tokens for w in wl], args.max_num_seqs)
