@@ -166,9 +166,11 @@ def main(argv=None) -> int:
     model = load_model("target", device=args.device)
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size)
-    wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed)
+    wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival="poisson",
+                       rate=args.rates[0])
     print(f"device: {model.device}; {args.max_num_seqs} slots; rates {args.rates} requests/s, Poisson; "
-          f"best of {args.repeats} alternating runs (min-max)\n{describe(wl)}")
+          f"best of {args.repeats} alternating runs (min-max)\nthe same requests at every rate, arrivals "
+          f"compressed by the rate; at {args.rates[0]:g} requests/s: {describe(wl)}")
     run_workload(model, wl[:4], **kw)                                      # warm-up
     results = sweep(model, args.rates, args.num_requests, args.seed, args.repeats, args.workload, **kw)
     print(format_results(results))
