@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     print(f"device: {model.device}; {args.max_num_seqs} slots; rates {args.rates} requests/s, Poisson; "
           f"best of {args.repeats} alternating runs (min-max)\nthe same requests at every rate, arrivals "
           f"compressed by the rate; at {args.rates[0]:g} requests/s: {describe(wl)}")
-    run_workload(model, wl[:4], **kw)                                      # warm-up
+    run_workload(model, make_workload(args.workload, num_requests=4, seed=args.seed), **kw)   # warm-up, offline
     results = sweep(model, args.rates, args.num_requests, args.seed, args.repeats, args.workload, **kw)
     print(format_results(results))
     mean_out = float(np.mean([r.max_tokens for r in wl]))
