@@ -18,7 +18,7 @@ def test_online_smoke_writes_a_png_and_a_row_per_scheduler_and_rate(tmp_path, ca
     text = capsys.readouterr().out
     rows = re.findall(r"^\s*(\d+)\s+(static|continuous)\s+\d+ \(\d+-\d+\)\s+\d+\.\d \(", text, re.M)
     assert rows == [("100", "static"), ("100", "continuous"), ("200", "static"), ("200", "continuous")]
-    assert len(re.findall(r"req/s: throughput \d+\.\d\dx, normalised latency \d+\.\d\dx", text)) == 2
+    assert len(re.findall(r"req/s: throughput [\d.e-]+x, normalised latency [\d.e-]+x, TTFT p99 [\d.e-]+x", text)) == 2
     assert f"wrote {out}" in text
 
 
@@ -38,6 +38,10 @@ def test_normalised_latency_is_the_mean_of_e2e_over_output_tokens():
 def test_bad_rates_are_refused_with_a_reason(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="rates must be"):
         online.parse_rates(bad)
+
+
+def test_small_ratios_keep_their_digits():
+    assert online._x(2.456) == "2.46x" and online._x(0.0031) == "0.0031x"
 
 
 def test_rates_are_sorted_and_bad_options_exit():

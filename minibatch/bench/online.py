@@ -69,6 +69,11 @@ def sweep(model, rates, num_requests, seed, repeats, workload="longtail", **engi
     return results
 
 
+def _x(ratio: float) -> str:
+    """A ratio with two decimals, or two significant digits below 0.1 (0.0031x, not 0.00x)."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
 def format_results(results: dict) -> str:
     """One line per (rate, scheduler), then continuous/static per rate."""
     table = [("rate", "scheduler", "out tok/s (min-max)", "norm lat ms/tok (min-max)", "TTFT p50", "TTFT p99",
@@ -89,9 +94,9 @@ def format_results(results: dict) -> str:
     lines.append("\ncontinuous / static, per rate (normalised latency and TTFT below 1: continuous is faster)")
     for rate in rates:
         c, s = results[("continuous", rate)], results[("static", rate)]
-        lines.append(f"{rate:>6g} req/s: throughput {c['output_tokens_per_s'] / s['output_tokens_per_s']:.2f}x, "
-                     f"normalised latency {c['norm_latency'] / s['norm_latency']:.2f}x, "
-                     f"TTFT p99 {c['ttft_p99'] / s['ttft_p99']:.2f}x")
+        lines.append(f"{rate:>6g} req/s: throughput {_x(c['output_tokens_per_s'] / s['output_tokens_per_s'])}, "
+                     f"normalised latency {_x(c['norm_latency'] / s['norm_latency'])}, "
+                     f"TTFT p99 {_x(c['ttft_p99'] / s['ttft_p99'])}")
     return "\n".join(lines)
 
 
