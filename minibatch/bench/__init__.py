@@ -1,6 +1,6 @@
 """The lab bench: workloads, run metrics, benchmarks and lecture demos, all driving the public engine API.
 
-    python -m minibatch.bench batching | speculative | attention | kv
+    python -m minibatch.bench batching | speculative | attention | kv | peers | online
     python -m minibatch demo continuous | paged | speculative
 """
 

@@ -4,6 +4,8 @@
     python -m minibatch.bench speculative  [--ks 1,2,3,4,6,8 --batch-sizes 1,8]
     python -m minibatch.bench attention    Triton vs PyTorch paged attention (GB/s on a GPU)
     python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged
+    python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
+    python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
 
 Timings are wall-clock on whatever device runs the model; both sides of every
@@ -142,7 +144,7 @@ def _cost_ratio(model, draft, reps=50, rounds=5) -> float:
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
-          "serve": "minibatch.bench.serve"}
+          "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve"}
 
 
 def main(argv=None):
