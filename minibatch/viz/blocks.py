@@ -234,6 +234,8 @@ def draw_block_tables(traces, step: int, ax=None, max_rows=None, order=None) -> 
                 ax.text(i + 0.5, y + 0.5, str(b), ha="center", va="center", fontsize=st.small,
                         fontweight="bold" if shared else "normal", color=text_color_on(color))
     bottom = max(height, len(shown))
+    if not live:
+        ax.text(0.1, 0.5, "no live sequence: every block table has been freed", fontsize=st.small, va="center")
     if hidden:
         ax.text(0, bottom + 0.5, f"... and {hidden} more sequences", fontsize=st.small, va="center")
     ax.set_xlim(0, width)

@@ -24,7 +24,6 @@ so that decode-only steps stay visible; the legend says how high they went.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.ticker import MaxNLocator
 
 from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, PHASE_COLORS, as_traces, figsize_for, new_axes,
                                   style, styled)
@@ -79,12 +78,13 @@ def nice_ceiling(x: float) -> float:
 
 def fit_scale(data_max: float, limit: float, typical: float = None) -> dict:
     """{"top", "limit_shown", "clipped"}: an axis top fitted to the data. With ``typical`` (the usual value),
-    a maximum over 4x that is a spike: the axis fits 2.5x the typical value and the spikes run off the top.
+    a maximum over 8x that is a spike (the usual bars would be a sliver under it): the axis fits 3x the
+    typical value and the spikes run off the top.
     The limit (capacity, budget) is drawn only when it lies within half again of that top."""
     top = max(1.0, data_max * 1.1)
-    clipped = typical is not None and data_max > 4 * max(typical, 1.0)
+    clipped = typical is not None and data_max > 8 * max(typical, 1.0)
     if clipped:
-        top = 2.5 * max(typical, 1.0)
+        top = 3 * max(typical, 1.0)
     shown = limit <= 1.5 * top
     if shown:
         top = max(top, limit * 1.05)
@@ -98,9 +98,13 @@ def throughput_scale(total, budget: float) -> dict:
             "max": float(total.max())}
 
 
-def _limit_line(label: str):
+CAPACITY_STYLE = dict(color="black", linestyle=":", linewidth=1.8)    # the pool's size: dotted
+BUDGET_STYLE = dict(color="black", linestyle="--", linewidth=1.2)      # the token budget: dashed
+
+
+def _limit_line(label: str, style: dict):
     from matplotlib.lines import Line2D
-    return Line2D([], [], color="black", linestyle="--", linewidth=1.2, label=label)
+    return Line2D([], [], label=label, **style)
 
 
 def _window(ax, steps, upto, highlight, xlim=None):
@@ -117,7 +121,8 @@ def draw_kv_usage(traces, ax=None, upto=None, highlight=None, xlim=None, legend=
     """Stacked area of used and cached-free blocks over steps (through ``upto``), on an axis fitted to
     the run (``top`` fixes it instead); the pool's capacity as a dashed line when it is near that range.
     Returns kv_usage(...) plus "ax", "shown" (steps drawn), "top" (the axis top) and "legend" (handles)."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch               # matplotlib only where drawing: the numbers above
+    from matplotlib.ticker import MaxNLocator           #   serve the text view and the demo summary without it
     traces = as_traces(traces)
     st = style()
     ax = new_axes(ax, (8, 3))
@@ -134,8 +139,8 @@ def draw_kv_usage(traces, ax=None, upto=None, highlight=None, xlim=None, legend=
     if kv["cached_free"].any():
         handles.append(Patch(facecolor=CACHED_FREE_COLOR, hatch="//", edgecolor=EDGE_COLOR, label="cached-free block"))
     if scale["limit_shown"]:
-        ax.axhline(kv["num_blocks"], color="black", linestyle="--", linewidth=1.2)
-        handles.append(_limit_line("capacity (all blocks)"))
+        ax.axhline(kv["num_blocks"], **CAPACITY_STYLE)
+        handles.append(_limit_line("capacity (all blocks)", CAPACITY_STYLE))
         title = f"KV cache occupancy (capacity {kv['num_blocks']} blocks)"
     else:
         title = f"KV cache occupancy (capacity {kv['num_blocks']} blocks, above this scale)"
@@ -156,6 +161,7 @@ def draw_throughput(traces, ax=None, upto=None, highlight=None, xlim=None, legen
     Returns tokens_per_step(...) plus "ax", "shown", "top", "clipped" (steps off the scale), "legend"."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
     traces = as_traces(traces)
     st = style()
     ax = new_axes(ax, (8, 3))
@@ -172,8 +178,8 @@ def draw_throughput(traces, ax=None, upto=None, highlight=None, xlim=None, legen
             handles.append(Patch(facecolor=PHASE_COLORS[phase], label=f"{phase} tokens"))
         bottom += tok[phase][keep]
     if scale["limit_shown"]:
-        ax.step(tok["steps"], tok["budget"], where="mid", color="black", linestyle="--", linewidth=1.2)
-        handles.append(_limit_line("token budget"))
+        ax.step(tok["steps"], tok["budget"], where="mid", **BUDGET_STYLE)
+        handles.append(_limit_line("token budget", BUDGET_STYLE))
         title = "tokens in the flat batch"
     else:
         title = f"tokens in the flat batch (budget {int(budget)}, above this scale)"
@@ -236,6 +242,7 @@ def draw_comparison(traces_a, traces_b, labels=("static", "continuous"), fig=Non
     kv, tok = kv_usage(both), tokens_per_step(both)
     kv_top = fit_scale(float((kv["used"] + kv["cached_free"]).max()), kv["num_blocks"])["top"]
     tok_top = throughput_scale(tok["total"], float(tok["budget"].max()))["top"]
+    from matplotlib.ticker import MaxNLocator
     out, handles = {"fig": fig, "summary": {}}, []
     for col, (run, label) in enumerate(zip(runs, labels)):
         s = summarize(run)
@@ -244,7 +251,9 @@ def draw_comparison(traces_a, traces_b, labels=("static", "continuous"), fig=Non
                "kv": draw_kv_usage(run, ax=axes[1], xlim=(first, last), legend=False, top=kv_top),
                "throughput": draw_throughput(run, ax=axes[2], xlim=(first, last), legend=False, top=tok_top)}
         axes[0].set_xlim(first - 0.6, last + 0.6)
-        handles += res["timeline"]["legend"] + res["kv"]["legend"] + res["throughput"]["legend"]
+        axes[0].xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))   # both tick the same steps
+        handles += res["timeline"]["legend"] + res["kv"]["legend"] + [   # bars wear the phase colours already listed
+            h for h in res["throughput"]["legend"] if not h.get_label().endswith(" tokens")]
         axes[0].set_title(f"{label}: {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step, "
                           f"KV {100 * s['kv_used_fraction']:.0f}% used", fontsize=st.font, loc="left")
         out[label], out["summary"][label] = res, s
