@@ -141,24 +141,25 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
     cell_pt = min(w_pt / ncols, h_pt / nrows)              # aspect is equal: the tighter side wins
     write_rc = cell_pt * 0.9 >= text_width_pt("\u00d79", st.small, "bold") and cell_pt * 0.9 >= st.small * 1.3
     owners, cached, evicted = block_owners(t), set(t.cached_blocks), evicted_blocks(traces, step)
-    cells, labels = [], {}
+    cells, labels, dots = [], {}, []
     for b in range(t.num_blocks):
         x, y = b % ncols, b // ncols
         state, rc = block_state(t, b), t.ref_counts[b]
-        patches = []
+        patches, shared = [], rc > 1
         if state == "used":
             fills = [seq_color(s, order) for s in owners[b]] or [UNKNOWN_OWNER_COLOR]
-            w = 0.9 / len(fills)
-            for i, color in enumerate(fills):               # one sliver per owner
-                patches.append(ax.add_patch(Rectangle((x + 0.05 + i * w, y + 0.05), w, 0.9,
-                                                      facecolor=color, edgecolor="none")))
         else:
-            patches.append(ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, edgecolor="none",
-                                                  facecolor=CACHED_FREE_COLOR if state == "cached-free" else FREE_COLOR,
-                                                  hatch="//" if state == "cached-free" else None)))
-        shared = rc > 1
-        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, fill=False,
-                               edgecolor="black" if shared else EDGE_COLOR, linewidth=2.5 if shared else 0.8))
+            fills = [CACHED_FREE_COLOR if state == "cached-free" else FREE_COLOR]
+        edge = dict(edgecolor="black", linewidth=2.5) if shared else dict(edgecolor=EDGE_COLOR, linewidth=0.8)
+        if len(fills) == 1 and not shared:                  # one patch: fill and frame together
+            patches.append(ax.add_artist(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=fills[0],
+                                                   hatch="//" if state == "cached-free" else None, **edge)))
+        else:
+            w = 0.9 / len(fills)
+            for i, color in enumerate(fills):               # one sliver per owner, then the frame
+                patches.append(ax.add_artist(Rectangle((x + 0.05 + i * w, y + 0.05), w, 0.9,
+                                                       facecolor=color, edgecolor="none")))
+            ax.add_artist(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, fill=False, **edge))
         if shared:
             labels[b] = f"\u00d7{rc}"
             if write_rc:                                    # on a white chip: legible across the slivers
@@ -166,13 +167,15 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
                         fontweight="bold", color="black",
                         bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.85))
         if state == "used" and b in cached:                 # full block, findable by its hash
-            ax.plot(x + 0.83, y + 0.2, "o", markersize=max(3.0, min(7.0, cell_pt / 6)), color="white",
-                    markeredgecolor="black", markeredgewidth=1.0)
+            dots.append((x + 0.83, y + 0.2))
         if b in evicted:
-            ax.add_patch(Rectangle((x + 0.1, y + 0.1), 0.8, 0.8, fill=False, edgecolor=EVICTED_COLOR,
+            ax.add_artist(Rectangle((x + 0.1, y + 0.1), 0.8, 0.8, fill=False, edgecolor=EVICTED_COLOR,
                                    linewidth=2.5, linestyle="--"))
         cells.append({"block": b, "state": state, "owners": owners[b], "ref_count": rc,
                       "cached": b in cached, "evicted": b in evicted, "patches": patches})
+    if dots:                                                # one artist for every dot: frames draw faster
+        ax.plot(*zip(*dots), "o", markersize=max(3.0, min(7.0, cell_pt / 6)), color="white",
+                markeredgecolor="black", markeredgewidth=1.0, linestyle="none")
     counts = {s: sum(c["state"] == s for c in cells) for s in ("used", "cached-free", "free")}
     counts["evicted"] = len(evicted)
     ax.set_xlim(0, ncols)
@@ -227,7 +230,7 @@ def draw_block_tables(traces, step: int, ax=None, max_rows=None, order=None) -> 
         rows[sid], patches[sid] = list(t.block_tables[sid]), []
         for i, b in enumerate(t.block_tables[sid]):
             shared = t.ref_counts[b] > 1
-            patches[sid].append(ax.add_patch(Rectangle(
+            patches[sid].append(ax.add_artist(Rectangle(
                 (i + 0.05, y + 0.1), 0.9, 0.8, facecolor=color,
                 edgecolor="black" if shared else EDGE_COLOR, linewidth=2.5 if shared else 0.8)))
             if write_ids:

@@ -126,7 +126,7 @@ class FrameCache(dict):
             del self[next(iter(self))]
 
 
-def step_through(traces, interval: int = 700, dpi: int = 90, static_frames: int = 12, static_html=None,
+def step_through(traces, interval: int = 700, dpi: int = 90, static_frames: int = 8, static_html=None,
                  preset: str = "default"):
     """A widget to step through ``traces`` (VBox; see the module doc for its handles).
 
