@@ -388,10 +388,12 @@ def test_step_through_steps_and_redraws(cont):
     assert w.current_step == 7                                    # unchanged after the error
 
 
-def test_step_through_also_carries_the_html_player_for_static_renders(cont):
+def test_step_through_also_carries_the_html_player_for_static_renders(cont, monkeypatch):
     """nbconvert / GitHub cannot show a widget: without a widget front end, the display data hold the HTML
     player beside it."""
     from IPython.core.formatters import DisplayFormatter
+    from minibatch.viz import widget
+    monkeypatch.setattr(widget, "widget_frontend", lambda: False)     # as in nbconvert's kernel
     data, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_frames=3))
     assert "application/vnd.jupyter.widget-view+json" in data               # a live front end: the widget
     html = data["text/html"]                                                # a static one: the player
@@ -416,11 +418,16 @@ def test_step_through_builds_no_html_when_a_widget_front_end_is_present(cont, mo
     assert data["text/html"] == "<p>player</p>"
 
 
-def test_widget_frontend_is_the_widget_managers_control_comm(monkeypatch):
+def test_widget_frontend_signs(monkeypatch):
+    """A Jupyter server's session kernel (JupyterLab: JPY_SESSION_NAME) or an open widget control comm."""
     import ipywidgets
     from minibatch.viz.widget import widget_frontend
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.setattr(ipywidgets.Widget, "_control_comm", None)
-    assert not widget_frontend()                                  # plain Python, nbconvert: nobody opened it
+    assert not widget_frontend()                                  # plain Python, nbconvert: neither sign
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/student/03_continuous_batching.ipynb")
+    assert widget_frontend()
+    monkeypatch.delenv("JPY_SESSION_NAME")
     monkeypatch.setattr(ipywidgets.Widget, "_control_comm", object())
     assert widget_frontend()
 

@@ -62,9 +62,18 @@ def _shown_step(traces, value):
 
 
 def widget_frontend() -> bool:
-    """Is a widget front end attached to this kernel? JupyterLab's and Notebook 7's widget manager (ipywidgets 8)
-    opens the "jupyter.widget.control" comm as soon as it connects to a kernel, to restore widget state, and
-    ipywidgets keeps it as ``Widget._control_comm``. nbconvert, papermill and plain Python never open it."""
+    """Is a front end that shows widgets attached to this kernel? Either sign suffices:
+
+    * the kernel was started by a Jupyter server for a notebook session: jupyter_server 2 sets
+      ``JPY_SESSION_NAME`` for every session kernel, that is for JupyterLab and Notebook in a browser;
+    * ipywidgets' control comm is open (``Widget._control_comm``): a widget manager that connected after
+      ipywidgets was imported asked it for the widgets' state (on a page reload, say). Checked in JupyterLab:
+      at page load ipywidgets is not imported yet, so this alone misses the usual case.
+
+    nbconvert, nbclient and papermill start kernels without a session, and plain Python has no kernel."""
+    import os
+    if os.environ.get("JPY_SESSION_NAME"):
+        return True
     try:
         from ipywidgets import Widget
     except ImportError:
