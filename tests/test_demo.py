@@ -63,15 +63,27 @@ def test_paged_shows_sharing_preemption_and_replays(tmp_path, capsys):
            [ln for ln in replay.splitlines() if ln.startswith("paged:")]
 
 
-def test_speculative_reports_acceptance(tmp_path, capsys):
-    png = tmp_path / "spec.png"
-    code, out, _ = _run(capsys, "speculative", "--small", "--out", str(png))
+def test_speculative_reports_acceptance_and_writes_slides_to_the_ignored_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)                                   # no --out: the default folder, out/demo/
+    code, out, _ = _run(capsys, "speculative", "--small")
     assert code == 0
-    assert "draft tokens accepted (alpha =" in out and "tokens per target forward" in out
-    with Image.open(png) as im:
-        assert im.format == "PNG"
-    data = json.loads((tmp_path / "spec.json").read_text())
-    assert any(s["proposed"] for t in data["traces"] for s in t["scheduled"])
+    gif, trace = tmp_path / "out/demo/speculative.gif", tmp_path / "out/demo/speculative.json"
+    with Image.open(gif) as im:                                   # the slide preset's 16:9 frame (small dpi in CI)
+        assert im.format == "GIF" and im.size == (768, 432)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing lands beside the code
+    rec = TraceRecorder.load(trace)
+    assert rec.meta["speculative"] == {"method": "draft", "num_speculative_tokens": 3}
+    verify = [s for t in rec.traces for s in t.scheduled if s.proposed]
+    # each verify step emits its accepted drafts + 1 (the bonus token, or the correction after a rejection)
+    per_forward = sum(s.accepted + 1 for s in verify) / len(verify)
+    batched = sum(t.num_batched_tokens for t in rec.traces) / len(rec.traces)
+    assert "speculative decoding (draft model, k = 3):" in out and "draft tokens accepted (alpha =" in out
+    assert f"tokens per target forward (emitted per sequence: accepted + 1): {per_forward:.2f}" in out
+    assert f"tokens per step, batched (all sequences, drafts included):   {batched:.1f}" in out
+    emitted = sum(len(s.new_token_ids) for s in verify)
+    assert per_forward == pytest.approx(emitted / len(verify))    # what the sequences really got per forward
+    from minibatch import viz
+    assert "speculative decoding (draft model, k = 3)" in viz.run_title(rec.traces, rec.meta)
 
 
 def test_text_only_prints_every_step_and_writes_nothing(tmp_path, capsys, monkeypatch):

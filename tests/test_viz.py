@@ -91,10 +91,11 @@ def test_synthetic_json_fixtures_match_the_builder(cont, static):
 def test_seq_order_is_first_appearance_and_colors_are_stable(cont):
     order = viz.seq_order(cont)
     assert list(order) == ["A", "B", "C", "D.0", "D.1", "E"]
-    colors = [viz.seq_color(s, order) for s in order]
-    assert len(set(colors)) == len(colors)                       # distinct within the palette size
+    for alive in viz.alive_sets(cont):                           # concurrent sequences never share a colour
+        assert len({viz.seq_color(s, order) for s in alive}) == len(alive)
+    assert viz.seq_color("E", order) == viz.seq_color("A", order)   # E takes the colour A left behind
     assert viz.seq_color("C", cont) == viz.seq_color("C", order)  # from traces or from the order
-    # by first appearance in the trace given, not by hash: step 6 alone starts with D.0
+    # by the trace given, not by hash: step 6 alone starts with D.0
     assert viz.seq_color("D.0", [cont[6]]) == to_rgba(viz.SEQ_PALETTE[0])
     with pytest.raises(KeyError, match="Z"):
         viz.seq_color("Z", order)
@@ -377,8 +378,9 @@ def test_step_through_steps_and_redraws(cont):
     w.next_button.click()
     assert w.current_step == 4 and w.slider.value == 4
     w.prev()
+    assert w.current_step == 3 and w.redraws == 3                # step 3 again: the cached frame, no redraw
     w.prev()
-    assert w.current_step == 2 and w.redraws == 5
+    assert w.current_step == 2 and w.redraws == 4
     w.play.value = 7                                              # Play drives the slider
     assert w.current_step == 7
     with pytest.raises(ValueError, match="outside"):
@@ -386,15 +388,66 @@ def test_step_through_steps_and_redraws(cont):
     assert w.current_step == 7                                    # unchanged after the error
 
 
-def test_step_through_also_carries_the_html_player_for_static_renders(cont):
-    """nbconvert / GitHub cannot show a widget: the display data must hold the HTML player beside it."""
+def test_step_through_also_carries_the_html_player_for_static_renders(cont, monkeypatch):
+    """nbconvert / GitHub cannot show a widget: without a widget front end, the display data hold the HTML
+    player beside it."""
     from IPython.core.formatters import DisplayFormatter
+    from minibatch.viz import widget
+    monkeypatch.setattr(widget, "widget_frontend", lambda: False)     # as in nbconvert's kernel
     data, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_frames=3))
     assert "application/vnd.jupyter.widget-view+json" in data               # a live front end: the widget
     html = data["text/html"]                                                # a static one: the player
     assert html.count("data:image/png;base64") == 3 and "https://" not in html
     plain, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_frames=0))
     assert "text/html" not in plain
+
+
+def test_step_through_builds_no_html_when_a_widget_front_end_is_present(cont, monkeypatch):
+    """JupyterLab shows the widget and never the HTML player: building it there cost 33 s of 34 (issue 15)."""
+    from IPython.core.formatters import DisplayFormatter
+    from minibatch.viz import widget
+
+    def no_html(*args, **kwargs):
+        raise AssertionError("the HTML player was built although a widget front end is attached")
+    monkeypatch.setattr(widget, "_static_html", no_html)
+    monkeypatch.setattr(widget, "widget_frontend", lambda: True)
+    data, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI))
+    assert "application/vnd.jupyter.widget-view+json" in data and "text/html" not in data
+    monkeypatch.setattr(widget, "_static_html", lambda traces, frames: "<p>player</p>")
+    data, _ = DisplayFormatter().format(viz.step_through(cont[:3], dpi=DPI, static_html=True))   # on request
+    assert data["text/html"] == "<p>player</p>"
+
+
+def test_widget_frontend_signs(monkeypatch):
+    """A Jupyter server's session kernel (JupyterLab: JPY_SESSION_NAME) or an open widget control comm."""
+    import ipywidgets
+    from minibatch.viz.widget import widget_frontend
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setattr(ipywidgets.Widget, "_control_comm", None)
+    assert not widget_frontend()                                  # plain Python, nbconvert: neither sign
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/student/03_continuous_batching.ipynb")
+    assert widget_frontend()
+    monkeypatch.delenv("JPY_SESSION_NAME")
+    monkeypatch.setattr(ipywidgets.Widget, "_control_comm", object())
+    assert widget_frontend()
+
+
+def test_coalescer_renders_only_the_newest_request():
+    """Play ticks that pile up while a frame renders cost one render of the newest step, not one each."""
+    from minibatch.viz.widget import Coalescer
+    queue, rendered = [], []
+    c = Coalescer(rendered.append, soon=lambda: queue.append)    # a fake event loop: callbacks wait in a list
+    for value in range(1, 6):
+        c.request(value)
+    assert rendered == [] and len(queue) == 1 and c.skipped == 4
+    queue.pop()()
+    assert rendered == [5]
+    c.request(6)
+    queue.pop()()
+    assert rendered == [5, 6]
+    now = Coalescer(rendered.append, soon=lambda: None)           # no event loop: render at once
+    now.request(7)
+    assert rendered == [5, 6, 7]
 
 
 def test_step_through_falls_back_to_html_without_ipywidgets(cont, monkeypatch):

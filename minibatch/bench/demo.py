@@ -8,15 +8,18 @@
     python -m minibatch demo run.json              replay a saved trace (no model needed)
 
 Each scenario runs the shipped model through the real engine, records every step
-with a ``TraceRecorder``, prints a short summary, and writes
+with a ``TraceRecorder``, prints a short summary, and writes into ``out/demo/``
+(ignored by git, so lecture output never lands in the repository):
 
-    demo-<scenario>.gif      the dashboard, one frame per step (``--out`` picks .gif/.html/.mp4/.png)
-    demo-<scenario>.json     the recorded trace: replay it later without computing anything
-    demo-continuous-comparison.png   (continuous only) the two runs side by side
+    <scenario>.gif      the dashboard, one frame per step (``--out`` picks another path: .gif/.html/.mp4/.png)
+    <scenario>.json     the recorded trace: replay it later without computing anything
+    continuous-comparison.png   (continuous only) the two runs side by side
 
-``--text`` prints the per-step text view instead of drawing (a terminal, an SSH
-session, a machine without graphics); ``--small`` runs a smaller workload (CI).
-The scenarios are deterministic: greedy decoding, fixed prompts, fixed seeds.
+Frames use the slide preset: 1920×1080 with no text under 18 px, readable when
+projected. ``--text`` prints the per-step text view instead of drawing (a
+terminal, an SSH session, a machine without graphics); ``--small`` runs a
+smaller workload and draws small frames (CI). The scenarios are deterministic:
+greedy decoding (or seeded sampling), fixed prompts.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
 SCENARIOS = ("continuous", "static", "paged", "speculative")
+OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
+SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
 
 # Short code prompts; their greedy continuations are predictable enough for a draft to guess.
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -101,18 +106,37 @@ def scenario_speculative(model, small: bool) -> dict:
     # accepted and rejected drafts (greedy on code accepts ~95 %); a 64-token budget keeps the bars readable
     arrivals = [(0, f"s{i}", PROMPTS[i], SamplingParams(temperature=1.0, seed=i, max_tokens=12 if small else 32))
                 for i in range(n)]
-    rec = _record(model, arrivals, {"scenario": "speculative"}, draft=draft, block_size=8, num_gpu_blocks=40,
-                  max_num_seqs=4, max_num_batched_tokens=64,
-                  speculative_config={"method": "draft", "num_speculative_tokens": 3})
+    rec = _record(model, arrivals, {"scenario": "speculative", "speculative": SPECULATIVE}, draft=draft,
+                  block_size=8, num_gpu_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
+                  speculative_config=dict(SPECULATIVE))
     return {"speculative": (rec, None)}
 
 
-def summary_lines(name: str, traces: list) -> list:
-    """What a lecturer says over the animation, computed from the trace."""
+def speculation_lines(traces: list, meta=None) -> list:
+    """Acceptance, and the two rates a lecturer must not confuse: tokens batched per step (drafts count) and
+    tokens emitted per target forward. A verify step emits its accepted drafts plus one token of the target's
+    own (the bonus token when all k were accepted, else the correction), so: sum(accepted + 1) / verify steps."""
+    verify = [x for t in traces for x in t.scheduled if x.proposed]
+    if not verify:
+        return []
+    prop, acc = sum(x.proposed for x in verify), sum(x.accepted for x in verify)
+    spec = dict((meta or {}).get("speculative") or {})
+    method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(spec.get("method"), spec.get("method"))
+    k = spec.get("num_speculative_tokens", max(x.proposed for x in verify))
+    batched = sum(t.num_batched_tokens for t in traces) / len(traces)
+    per_forward = sum(x.accepted + 1 for x in verify) / len(verify)
+    return [f"  speculative decoding ({method + ', ' if method else ''}k = {k}): {acc}/{prop} draft tokens accepted "
+            f"(alpha = {acc / prop:.2f})",
+            f"    tokens per step, batched (all sequences, drafts included):   {batched:.1f}",
+            f"    tokens per target forward (emitted per sequence: accepted + 1): {per_forward:.2f}"]
+
+
+def summary_lines(name: str, traces: list, meta=None) -> list:
+    """What a lecturer says over the animation, computed from the trace (``meta``: the recorder's)."""
     from minibatch.viz.usage import summarize
     s = summarize(traces)
     seqs = {x.seq_id for t in traces for x in t.scheduled}
-    lines = [f"{name}: {len(seqs)} sequences in {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step, "
+    lines = [f"{name}: {len(seqs)} sequences in {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step batched, "
              f"KV blocks {100 * s['kv_used_fraction']:.0f}% used on average"]
     padding = sum(t.num_padding_slots for t in traces)
     useful = sum(len(t.scheduled) for t in traces)
@@ -128,23 +152,16 @@ def summary_lines(name: str, traces: list) -> list:
         evicted = sum(len(evicted_blocks(traces, t.step)) for t in traces)
         lines.append(f"  prefix cache: {last.prefix_cache_hits} of {last.prefix_cache_queries} full prompt "
                      f"blocks reused; {evicted} cache entries evicted to make room")
-    if any(max(last.ref_counts or [0]) > 1 or max(t.ref_counts or [0]) > 1 for t in traces):
+    if any(max(t.ref_counts or [0]) > 1 for t in traces):
         lines.append(f"  blocks shared (ref count > 1) at some step: "
                      f"{sum(any(r > 1 for r in t.ref_counts) for t in traces)} steps")
-    prop = sum(x.proposed for t in traces for x in t.scheduled)
-    if prop:
-        acc = sum(x.accepted for t in traces for x in t.scheduled)
-        verify = [x for t in traces for x in t.scheduled if x.proposed]
-        emitted = sum(x.accepted + x.bonus for x in verify)
-        lines.append(f"  speculation: {acc}/{prop} draft tokens accepted (alpha = {acc / prop:.2f}), "
-                     f"{emitted / len(verify):.2f} tokens per target forward")
-    return lines
+    return lines + speculation_lines(traces, meta)
 
 
-def _write(name: str, rec: TraceRecorder, path: pathlib.Path, small: bool) -> list:
+def _write(rec: TraceRecorder, path: pathlib.Path, small: bool) -> list:
     from minibatch.viz.anim import save
     written = [path]
-    save(rec, path, max_frames=8 if small else 40, dpi=60 if small else 80)
+    save(rec, path, max_frames=8 if small else 40, dpi=40 if small else None, preset="slide")
     trace_path = path.with_suffix(".json")
     if trace_path != path:
         rec.save(trace_path)
@@ -153,8 +170,10 @@ def _write(name: str, rec: TraceRecorder, path: pathlib.Path, small: bool) -> li
 
 
 def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False) -> int:
-    path = pathlib.Path(out or f"demo-{pathlib.Path(scenario).stem}.gif")
+    path = pathlib.Path(out) if out else OUT_DIR / f"{pathlib.Path(scenario).stem}.gif"
     if not text_only:                                  # a bad file name fails now, not after the run
+        if not out:
+            path.parent.mkdir(parents=True, exist_ok=True)
         from minibatch.viz.anim import SUFFIXES
         if path.suffix.lower() not in SUFFIXES:
             raise ValueError(f"cannot save {path.name!r}: choose a file ending in one of {', '.join(SUFFIXES)}")
@@ -188,7 +207,7 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             from minibatch.viz.text import print_trace
             print(f"=== {label} ===")
             print_trace(rec)
-        for line in summary_lines(label, rec.traces):
+        for line in summary_lines(label, rec.traces, rec.meta):
             print(line)
     if "static" in runs and "continuous" in runs:
         st, ct = runs["static"][0].traces, runs["continuous"][0].traces
@@ -198,12 +217,12 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
     if text_only:
         return 0
     rec = (runs.get("continuous") or next(iter(runs.values())))[0]   # the run to animate
-    written = _write(name, rec, path, small)
+    written = _write(rec, path, small)
     if "static" in runs and "continuous" in runs:
         from minibatch.viz.anim import new_figure
         from minibatch.viz.usage import draw_comparison
-        fig = new_figure(figsize=(14, 8.5), dpi=60 if small else 90)
-        draw_comparison(runs["static"][0], runs["continuous"][0], fig=fig)
+        fig = new_figure(dpi=40 if small else None, preset="slide")
+        draw_comparison(runs["static"][0], runs["continuous"][0], fig=fig, preset="slide")
         comparison = path.with_name(path.stem + "-comparison.png")
         fig.savefig(comparison)
         written.append(comparison)

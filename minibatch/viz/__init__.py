@@ -14,12 +14,15 @@ run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
     live(engine)                  Jupyter: one engine.step() per click
     text_view(trace), print_trace(rec)   no graphics at all
 
-A saved trace (``rec.save("run.json")``) replays anywhere without a model:
+Every renderer takes ``preset="slide"`` (1920×1080, no text under 18 px) for a
+projector, or draws at its own notebook size by default; ``with using("slide"):``
+sets it for a whole block. A saved trace (``rec.save("run.json")``) replays anywhere without a model:
 every function also takes the path of such a file. Each renderer draws on an
 Axes you pass (or a new figure) and returns a dict of what it drew, so tests
 and notebooks can check it. The rooms, one idea each:
 
-    common     colours (Okabe–Ito phases, Tol sequence colours), seq_color, input checks
+    common     phase colours (Okabe–Ito), size presets, input checks
+    palette    sequence colours: concurrent sequences never share one (Tol muted / rainbow)
     blocks     block pool and block tables          timeline   batch membership
     usage      occupancy, throughput, comparison    dashboard  draw_step
     anim       animate, save                        widget     step_through, live
@@ -30,10 +33,12 @@ and notebooks can check it. The rooms, one idea each:
 _WHERE = {
     **dict.fromkeys(['WriterUnavailableError', 'animate', 'busiest_step', 'frame_steps', 'save', 'to_html'], 'anim'),
     **dict.fromkeys(['block_owners', 'block_state', 'draw_block_tables', 'draw_blocks'], 'blocks'),
-    **dict.fromkeys(['PHASE_COLORS', 'PHASE_LABELS', 'SEQ_PALETTE', 'TraceError', 'as_traces', 'evicted_blocks', 'seq_color', 'seq_order'], 'common'),
+    **dict.fromkeys(['PHASE_COLORS', 'PHASE_LABELS', 'PRESETS', 'TraceError', 'as_traces', 'evicted_blocks',
+                     'using'], 'common'),
+    **dict.fromkeys(['SEQ_PALETTE', 'SEQ_PALETTE_LARGE', 'alive_sets', 'seq_color', 'seq_order'], 'palette'),
     **dict.fromkeys(['draw_step', 'step_title'], 'dashboard'),
     **dict.fromkeys(['print_trace', 'text_view'], 'text'),
-    **dict.fromkeys(['draw_timeline', 'speculation', 'timeline_cells'], 'timeline'),
+    **dict.fromkeys(['draw_timeline', 'run_title', 'speculation', 'timeline_cells'], 'timeline'),
     **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
     **dict.fromkeys(['live', 'step_through'], 'widget'),
 }
@@ -51,5 +56,6 @@ __all__ = [
     "draw_comparison", "animate", "save", "to_html", "step_through", "live", "text_view", "print_trace",
     "seq_color", "seq_order", "timeline_cells", "speculation", "block_owners", "block_state", "evicted_blocks",
     "kv_usage", "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
-    "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "TraceError", "WriterUnavailableError",
+    "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "SEQ_PALETTE_LARGE", "TraceError", "WriterUnavailableError",
+    "PRESETS", "using", "alive_sets", "run_title",
 ]

@@ -14,6 +14,9 @@
 Everything renders on a plain ``Figure`` with the Agg canvas: headless, and
 nothing pops up twice in a notebook. Long traces are sub-sampled to
 ``max_frames`` evenly spaced steps (first and last kept) so saving stays fast.
+``preset="slide"`` draws 1920×1080 frames with text of 18 px and more, for a
+projector (``python -m minibatch demo`` uses it); ``dpi`` overrides the
+preset's pixels per inch (smaller files, smaller text).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from matplotlib import animation
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from minibatch.viz.common import DASHBOARD_SIZE, as_traces, find_step
+from minibatch.trace import TraceRecorder
+from minibatch.viz.common import DASHBOARD_SIZE, as_traces, find_step, get_preset
 from minibatch.viz.dashboard import draw_step
 from minibatch.viz.usage import kv_usage
 
@@ -62,22 +66,28 @@ def frame_steps(traces, steps=None, max_frames: int = 60) -> list:
     return steps
 
 
-def new_figure(figsize=DASHBOARD_SIZE, dpi: int = 100) -> Figure:
-    """A figure outside pyplot (no window, no double display), drawn by Agg."""
-    fig = Figure(figsize=figsize, dpi=dpi)
+def new_figure(figsize=None, dpi: int = None, preset="default") -> Figure:
+    """A figure outside pyplot (no window, no double display), drawn by Agg; size and dpi by default
+    from ``preset`` (the dashboard's size at "default")."""
+    p = get_preset(preset)
+    fig = Figure(figsize=figsize or p.figsize or DASHBOARD_SIZE, dpi=dpi or p.dpi)
     FigureCanvasAgg(fig)
     return fig
 
 
-def animate(traces, interval: int = 700, steps=None, max_frames: int = 60, dpi: int = 100,
-            figsize=DASHBOARD_SIZE) -> animation.FuncAnimation:
+def _meta(traces):
+    return traces.meta if isinstance(traces, TraceRecorder) else None
+
+
+def animate(traces, interval: int = 700, steps=None, max_frames: int = 60, dpi: int = None,
+            figsize=None, preset="default") -> animation.FuncAnimation:
     """The dashboard across steps, ``interval`` ms per frame."""
-    traces = as_traces(traces)
+    meta, traces = _meta(traces), as_traces(traces)
     chosen = frame_steps(traces, steps, max_frames)
-    fig = new_figure(figsize, dpi)
+    fig = new_figure(figsize, dpi, preset)
 
     def update(step):
-        draw_step(traces, step, fig=fig)
+        draw_step(traces, step, fig=fig, meta=meta, preset=preset)
         return fig.axes
 
     return animation.FuncAnimation(fig, update, frames=chosen, interval=interval, repeat=True,
@@ -110,12 +120,12 @@ def busiest_step(traces) -> int:
     return int(kv["steps"][int(np.argmax(kv["used"]))])
 
 
-def _contact_sheet(traces, steps, path, dpi):
+def _contact_sheet(traces, steps, path, dpi, preset, meta):
     from PIL import Image
     tiles = []
     for s in steps:
-        fig = new_figure(dpi=dpi)
-        draw_step(traces, s, fig=fig)
+        fig = new_figure(dpi=dpi, preset=preset)
+        draw_step(traces, s, fig=fig, meta=meta, preset=preset)
         fig.canvas.draw()
         tiles.append(np.asarray(fig.canvas.buffer_rgba())[..., :3])
     h, w = tiles[0].shape[:2]
@@ -128,10 +138,13 @@ def _contact_sheet(traces, steps, path, dpi):
     Image.fromarray(sheet).save(path)
 
 
-def save(traces, path, steps=None, max_frames: int = 40, interval: int = 700, dpi: int = 80,
-         step=None) -> pathlib.Path:
-    """Write the animation (or a still, for .png) to ``path``; returns the path."""
-    traces = as_traces(traces)
+def save(traces, path, steps=None, max_frames: int = 40, interval: int = 700, dpi: int = None,
+         step=None, preset="default") -> pathlib.Path:
+    """Write the animation (or a still, for .png) to ``path`` at ``preset`` ("default" or "slide");
+    returns the path. ``dpi`` None: the preset's (slide: 1920x1080 px), 80 at the default preset."""
+    meta, traces = _meta(traces), as_traces(traces)
+    if dpi is None:
+        dpi = 80 if get_preset(preset).name == "default" else get_preset(preset).dpi
     path = pathlib.Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
@@ -141,17 +154,18 @@ def save(traces, path, steps=None, max_frames: int = 40, interval: int = 700, dp
     check_writer(suffix)
     if suffix == ".png":
         if steps is None:
-            fig = new_figure(dpi=dpi)
-            draw_step(traces, busiest_step(traces) if step is None else step, fig=fig)
+            fig = new_figure(dpi=dpi, preset=preset)
+            draw_step(traces, busiest_step(traces) if step is None else step, fig=fig, meta=meta, preset=preset)
             fig.savefig(path)
         else:
-            _contact_sheet(traces, frame_steps(traces, steps, max_frames), path, dpi)
+            _contact_sheet(traces, frame_steps(traces, steps, max_frames), path, dpi, preset, meta)
         return path
+    recorded = TraceRecorder(traces, meta)
     if suffix == ".html":
-        path.write_text(to_html(traces, steps=steps, max_frames=max_frames, interval=interval, dpi=dpi),
-                        encoding="utf-8")
+        path.write_text(to_html(recorded, steps=steps, max_frames=max_frames, interval=interval, dpi=dpi,
+                                preset=preset), encoding="utf-8")
         return path
-    anim = animate(traces, interval=interval, steps=steps, max_frames=max_frames, dpi=dpi)
+    anim = animate(recorded, interval=interval, steps=steps, max_frames=max_frames, dpi=dpi, preset=preset)
     fps = max(1.0, 1000.0 / interval)
     writer = animation.PillowWriter(fps=fps) if suffix == ".gif" else animation.FFMpegWriter(fps=fps)
     anim.save(str(path), writer=writer, dpi=dpi)

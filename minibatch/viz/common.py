@@ -1,23 +1,27 @@
-"""What every view shares: the trace as input, the colours, the fonts.
+"""What every view shares: the trace as input, the phase colours, the size presets.
 
 Every renderer in ``minibatch.viz`` reads only ``StepTrace`` data (the list a
 ``TraceRecorder`` keeps, or one loaded from JSON), so a run recorded once
 replays anywhere without a model.
 
 Colours carry meaning and must survive colour blindness and a projector:
+**phases** (what a sequence did in an iteration) use the Okabe–Ito palette
+(Okabe & Ito 2008, "Color Universal Design"), plus greys for "not running".
+Sequence identity colours live in ``palette`` (they depend on who runs together).
 
-* **phases** (what a sequence did in an iteration) use the Okabe–Ito palette
-  (Okabe & Ito 2008, "Color Universal Design"), plus greys for "not running";
-* **sequence identity** (who owns a block) uses Paul Tol's *muted* qualitative
-  scheme, indexed by the order in which a sequence first appears in the
-  trace, never by ``hash()`` (which changes between Python processes), so a
-  request has the same colour in the block view, the block tables and the
-  timeline of every frame.
+Sizes come in **presets**, because one figure serves two audiences: a notebook
+cell read from 50 cm (``"default"``: each renderer's own size, 10–12 pt text)
+and a projected slide read from the back of a room (``"slide"``: 1920×1080 px
+with no text under 18 px). Every renderer takes ``preset=`` and reads its font
+sizes from ``style()`` while it draws, so nested renderers inherit the preset.
 """
 from __future__ import annotations
 
 import pathlib
-from typing import Union
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import wraps
+from typing import Optional, Union
 
 from minibatch.trace import StepTrace, TraceRecorder
 
@@ -47,13 +51,67 @@ CACHED_FREE_COLOR = "#DDDDDD"      # ref count 0 but still holding a prefix-cach
 EDGE_COLOR = "#777777"
 UNKNOWN_OWNER_COLOR = "#444444"    # ref count > 0 but in no live block table (should not happen)
 
-# Paul Tol's "muted" scheme: 9 colours distinguishable under the common colour-vision deficiencies.
-SEQ_PALETTE = ["#CC6677", "#332288", "#DDCC77", "#117733", "#88CCEE",
-               "#882255", "#44AA99", "#999933", "#AA4499"]
+# -- size presets ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one audience. ``figsize`` None: each renderer's own default size."""
+    name: str
+    figsize: Optional[tuple]     # inches
+    dpi: int                     # pixels per inch when saving or showing a frame
+    font: float                  # titles and axis labels, points
+    small: float                 # tick labels, legends, text in cells: the smallest text drawn
+    headline: float              # the dashboard's one-line title
 
-FONT_SIZE = 11          # legible on a slide at figsize ~ (13, 7)
-SMALL_FONT = 10         # the smallest text any view draws
-DASHBOARD_SIZE = (13, 7.5)
+    def px(self, points: float) -> float:
+        return points * self.dpi / 72
+
+
+PRESETS = {
+    "default": Preset("default", None, 100, 11, 10, 12),
+    # 1920 x 1080 px; 13.5 pt at 100 dpi is 18.75 px, the smallest text a projected slide may carry
+    "slide": Preset("slide", (19.2, 10.8), 100, 16, 13.5, 18),
+}
+DASHBOARD_SIZE = (13, 7.5)       # the dashboard at the default preset
+_current = [PRESETS["default"]]
+
+
+def style() -> Preset:
+    """The preset renderers draw with right now."""
+    return _current[-1]
+
+
+def get_preset(preset) -> Preset:
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    return PRESETS[preset]
+
+
+@contextmanager
+def using(preset):
+    """``with using("slide"): ...`` draws everything inside at that preset."""
+    _current.append(get_preset(preset))
+    try:
+        yield _current[-1]
+    finally:
+        _current.pop()
+
+
+def styled(fn):
+    """Give a renderer a ``preset=`` keyword (None: the one in force, e.g. the caller's)."""
+    @wraps(fn)
+    def wrapper(*args, preset=None, **kwargs):
+        if preset is None:
+            return fn(*args, **kwargs)
+        with using(preset):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def figsize_for(own: tuple) -> tuple:
+    """A renderer's figure size: the preset's, or the renderer's ``own`` default."""
+    return style().figsize or own
 
 
 class TraceError(ValueError):
@@ -101,28 +159,6 @@ def evicted_blocks(traces: TraceLike, step: int) -> set:
     return set(traces[i - 1].cached_blocks) - set(traces[i].cached_blocks) if i else set()
 
 
-def seq_order(traces: TraceLike) -> dict:
-    """seq id -> 0, 1, 2, ... in order of first appearance (batch order, then
-    running, then waiting within a step). The stable index behind seq_color."""
-    order: dict = {}
-    for t in as_traces(traces):
-        for sid in ([s.seq_id for s in t.scheduled] + list(t.preempted) + list(t.running)
-                    + list(t.block_tables) + list(t.waiting) + list(t.finished)):
-            order.setdefault(sid, len(order))
-    return order
-
-
-def seq_color(seq_id: str, order) -> tuple:
-    """The RGBA colour of a sequence in every view. ``order`` is seq_order(...)
-    or the traces themselves; ids beyond the palette cycle through it."""
-    from matplotlib.colors import to_rgba               # here, so text-only users never load matplotlib
-    if not isinstance(order, dict):
-        order = seq_order(order)
-    if seq_id not in order:
-        raise KeyError(f"sequence {seq_id!r} never appears in the trace")
-    return to_rgba(SEQ_PALETTE[order[seq_id] % len(SEQ_PALETTE)])
-
-
 def short_label(seq_id: str, width: int = 10) -> str:
     """A sequence id fit for a row label: long ids keep head and tail: "longname_request_0" -> "longn…st_0"."""
     seq_id = str(seq_id)
@@ -139,8 +175,24 @@ def text_color_on(rgba) -> str:
 
 
 def new_axes(ax, figsize):
-    """``ax`` itself, or a fresh pyplot Axes (so it shows in a notebook) when None."""
+    """``ax`` itself, or a fresh pyplot Axes (so it shows in a notebook) when None, sized by the preset
+    and laid out by matplotlib's constrained layout (titles and labels never overlap)."""
     if ax is not None:
         return ax
     import matplotlib.pyplot as plt
-    return plt.subplots(figsize=figsize)[1]
+    return plt.subplots(figsize=figsize_for(figsize), layout="constrained")[1]
+
+
+def axes_size_pt(ax) -> tuple:
+    """(width, height) of ``ax`` in points, from its current position in the figure."""
+    pos, (w, h) = ax.get_position(), ax.figure.get_size_inches()
+    return pos.width * w * 72, pos.height * h * 72
+
+
+def text_width_pt(text: str, size: float, weight: str = "normal") -> float:
+    """The width of ``text`` in points at font ``size``, as matplotlib's default font sets it (bold: wider)."""
+    from matplotlib.font_manager import FontProperties     # here: this module loads without matplotlib
+    from matplotlib.textpath import text_to_path
+    prop = FontProperties(size=size, weight=weight)
+    return max(text_to_path.get_text_width_height_descent(line, prop, ismath=False)[0]
+               for line in str(text).split("\n"))

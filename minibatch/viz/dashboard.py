@@ -1,5 +1,6 @@
 """The dashboard: everything about one engine step on one slide.
 
+    step 4 · continuous batching · 3 in batch, 2 waiting · 7/12 tokens · ...
     +-------------------------------------+------------------------+
     | batch membership timeline           | KV block pool          |
     | (cells through this step, framed)   | (owner colours, xN)    |
@@ -7,23 +8,35 @@
     | KV occupancy over steps             | block tables           |
     | tokens per step vs token budget     | (logical -> physical)  |
     +-------------------------------------+------------------------+
-                       phase legend (one row)
+              one legend: only what occurs in this run
 
 The title line reads the step like a log line: who ran, who waited, who was
-preempted or finished, and how full the token budget and the pool were.
+preempted or finished, how full the token budget and the pool were, and, for
+a speculative run, that it speculates, with which proposer and k.
 The animation and the widgets redraw exactly this, one step per frame.
+
+Matplotlib's constrained layout places titles, labels and the legend around
+each other at any size; on runs longer than ``window`` steps the three
+left panels follow a window around the current step, so a step stays a cell
+you can see rather than a few pixels.
 """
 from __future__ import annotations
 
-from minibatch.viz.blocks import draw_block_tables, draw_blocks, pool_legend_handles, pool_title
-from minibatch.viz.common import DASHBOARD_SIZE, FONT_SIZE, SMALL_FONT, as_traces, find_step, seq_order
-from minibatch.viz.timeline import draw_timeline
-from minibatch.viz.usage import draw_kv_usage, draw_throughput, usage_legend_handles
+from minibatch.trace import TraceRecorder
+from minibatch.viz.blocks import draw_block_tables, draw_blocks, pool_title
+from minibatch.viz.common import (DASHBOARD_SIZE, as_traces, figsize_for, find_step, style, styled,
+                                  text_width_pt)
+from minibatch.viz.palette import seq_order
+from minibatch.viz.timeline import draw_timeline, run_title
+from minibatch.viz.usage import draw_kv_usage, draw_throughput, legend_columns, merge_handles
+
+WINDOW = 40          # steps the timeline shows at once on a long run
 
 
-def step_title(t) -> str:
-    """One line about a step, e.g. 'step 4 · continuous · 3 in batch, 2 waiting · 7/12 tokens · ...'."""
-    parts = [f"step {t.step}", f"{t.scheduling} batching",
+def step_title(t, run: str = None) -> str:
+    """One line about a step, e.g. 'step 4 · continuous batching · 3 in batch, 2 waiting · 7/12 tokens · ...'.
+    ``run`` (run_title) replaces '<scheduling> batching', e.g. to say the run speculates."""
+    parts = [f"step {t.step}", run or f"{t.scheduling} batching",
              f"{len(t.scheduled)} in batch, {len(t.waiting)} waiting",
              f"{t.num_batched_tokens}/{t.token_budget} tokens",
              f"{t.num_blocks - t.num_free_blocks}/{t.num_blocks} blocks used"]
@@ -36,37 +49,59 @@ def step_title(t) -> str:
     return "  ·  ".join(parts)
 
 
-def draw_step(traces, step: int, fig=None) -> dict:
+def wrap_title(title: str, width_pt: float, size: float, sep: str = "  ·  ", weight: str = "bold") -> str:
+    """Break a ' · '-joined title into lines no wider than ``width_pt``."""
+    lines, line = [], ""
+    for part in title.split(sep):
+        candidate = line + sep + part if line else part
+        if line and text_width_pt(candidate, size, weight) > width_pt:
+            lines.append(line)
+            candidate = part
+        line = candidate
+    return "\n".join(lines + [line])
+
+
+@styled
+def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None) -> dict:
     """Draw the dashboard of ``step`` onto ``fig`` (cleared first; a new pyplot
-    figure when None). Returns {"fig", "step", "timeline", "blocks", "tables",
-    "kv", "throughput"}: each view's own inspectable result."""
+    figure when None). ``meta`` (or a TraceRecorder's own) names a speculative
+    run's proposer in the title. Returns {"fig", "step", "timeline", "blocks",
+    "tables", "kv", "throughput", "legend"}: each view's own inspectable result."""
+    meta = meta if meta is not None else getattr(traces, "meta", None) if isinstance(traces, TraceRecorder) else None
     traces = as_traces(traces)
     t = find_step(traces, step)
+    st = style()
     if fig is None:
         import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=DASHBOARD_SIZE)
+        fig = plt.figure(figsize=figsize_for(DASHBOARD_SIZE))
     fig.clear()
+    fig.set_layout_engine("constrained")
     order = seq_order(traces)
-    grid = fig.add_gridspec(4, 2, width_ratios=[1.45, 1], height_ratios=[1, 1, 0.8, 0.8],
-                            left=0.06, right=0.98, top=0.9, bottom=0.2, hspace=0.8, wspace=0.12)
+    grid = fig.add_gridspec(4, 2, width_ratios=[1.45, 1], height_ratios=[1, 1, 0.8, 0.8])
     timeline = draw_timeline(traces, ax=fig.add_subplot(grid[0:2, 0]), upto=step, highlight=step,
-                             legend=False, order=order)
-    timeline["ax"].set_title("batch membership (framed: this step)", fontsize=FONT_SIZE, loc="left")
-    kv = draw_kv_usage(traces, ax=fig.add_subplot(grid[2, 0]), upto=step, highlight=step)
-    throughput = draw_throughput(traces, ax=fig.add_subplot(grid[3, 0]), upto=step, highlight=step)
-    for res in (kv, throughput):
-        res["ax"].get_legend().remove()                    # the shared legend below says it all
+                             legend=False, order=order, window=window)
+    first, last = timeline["xlim"]
+    whole = (first, last) == (traces[0].step, traces[-1].step)
+    timeline["ax"].set_title("batch membership (framed: this step" + ("" if whole else
+                             f"; steps {first}-{last} of {traces[0].step}-{traces[-1].step}") + ")",
+                             fontsize=st.font, loc="left")
+    kv = draw_kv_usage(traces, ax=fig.add_subplot(grid[2, 0]), upto=step, highlight=step, xlim=(first, last),
+                       legend=False)
+    throughput = draw_throughput(traces, ax=fig.add_subplot(grid[3, 0]), upto=step, highlight=step,
+                                 xlim=(first, last), legend=False)
     kv["ax"].tick_params(labelbottom=False)
     throughput["ax"].set_xlabel("")
-    blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order)
-    blocks["ax"].get_legend().remove()
-    blocks["ax"].set_title(pool_title(blocks["counts"]), fontsize=FONT_SIZE, loc="left")
+    blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order, legend=False)
+    blocks["ax"].set_title(pool_title(blocks["counts"]) + f"\n(block = row + column, {t.block_size} tokens each)",
+                           fontsize=st.font, loc="left")
     tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
-    fig.suptitle(step_title(t), fontsize=FONT_SIZE + 1, x=0.01, ha="left", fontweight="bold")
-    handles = {}                                           # one legend for every view, by label
-    for h in timeline["legend"] + usage_legend_handles() + pool_legend_handles():   # timeline's: whole run
-        handles.setdefault(h.get_label(), h)
-    fig.legend(handles=list(handles.values()), loc="lower center", ncols=6, fontsize=SMALL_FONT, frameon=False)
+    fig.suptitle(wrap_title(step_title(t, run_title(traces, meta)), fig.get_figwidth() * 72 * 0.97, st.headline),
+                 fontsize=st.headline, x=0.01, ha="left", fontweight="bold")
+    # one legend for every view, whole-run entries only (stable across frames); the tokens panel's bars
+    # wear the phase colours, already in the timeline's entries
+    extra = [h for h in throughput["legend"] if not h.get_label().endswith(" tokens")]
+    handles = merge_handles(timeline["legend"], kv["legend"], extra, blocks["legend"])
+    fig.legend(handles=handles, loc="outside lower center", ncols=legend_columns(fig, handles, st.small),
+               fontsize=st.small, frameon=False)
     return {"fig": fig, "step": step, "timeline": timeline, "blocks": blocks, "tables": tables,
-            "kv": kv, "throughput": throughput}
-
+            "kv": kv, "throughput": throughput, "legend": handles}

@@ -15,14 +15,28 @@ draft tokens, the rejected ones (empty), and the token the target model adds
 
 Every cell is derived from the trace lists alone (``scheduled``, ``preempted``,
 ``waiting``, ``running``, ``finished``, ``admitted``), see ``timeline_cells``.
+
+Cells are added with ``add_artist``, not ``add_patch``: the limits are set
+explicitly, and skipping matplotlib's per-patch data-limit update halves the
+time of a frame (what a widget redraw costs).
+
+On a long run the whole run in one panel makes every step a few pixels wide:
+``window=n`` shows n steps around the highlighted one instead (three quarters
+behind it, a quarter ahead), so an animation scrolls with the current step.
+Row labels and step ticks are thinned to what fits at the preset's text size,
+and the "accepted/proposed" numbers over speculative cells appear only where
+they fit their cell.
 """
 from __future__ import annotations
+
+import math
 
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from minibatch.viz.common import (FONT_SIZE, PHASE_COLORS, PHASE_LABELS, SMALL_FONT, SPEC_REJECTED_COLOR, as_traces,
-                         new_axes, seq_color, seq_order, short_label, text_color_on)
+from minibatch.viz.common import (PHASE_COLORS, PHASE_LABELS, SPEC_REJECTED_COLOR, as_traces, axes_size_pt,
+                                  new_axes, short_label, style, styled, text_color_on, text_width_pt)
+from minibatch.viz.palette import seq_color, seq_order
 
 SPEC_TARGET_COLOR = "#00573F"     # the target model's own token in a speculative step (darker decode green)
 
@@ -88,7 +102,7 @@ def _spec_slivers(ax, left, bottom, width, height, accepted, proposed):
     """k+1 vertical slivers: accepted drafts, rejected drafts, then the target's token."""
     w = width / (proposed + 1)
     colors = [PHASE_COLORS["decode"]] * accepted + [SPEC_REJECTED_COLOR] * (proposed - accepted) + [SPEC_TARGET_COLOR]
-    return [ax.add_patch(Rectangle((left + i * w, bottom), w, height, facecolor=c,
+    return [ax.add_artist(Rectangle((left + i * w, bottom), w, height, facecolor=c,
                                    edgecolor=PHASE_COLORS["decode"], linewidth=0.6))
             for i, c in enumerate(colors)]
 
@@ -106,28 +120,61 @@ def legend_handles(cells: dict, spec: dict, preempted=()) -> list:
     return handles
 
 
-def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order=None) -> dict:
+def step_window(steps: list, center, window) -> tuple:
+    """(first, last) step shown: all of ``steps`` while they are at most 1.5 ``window``, else ``window`` of
+    them around ``center`` (three quarters behind it, a quarter ahead), clamped to the run."""
+    lo, hi = steps[0], steps[-1]
+    if not window or hi - lo + 1 <= 1.5 * window or center is None:
+        return lo, hi
+    first = min(max(lo, center - (3 * window) // 4), hi - window + 1)
+    return first, first + window - 1
+
+
+def run_title(traces, meta=None) -> str:
+    """'continuous batching', or '... + speculative decoding (draft model, k = 3)' when drafts were verified.
+    k is the longest proposal in the trace; the method comes from ``meta`` (TraceRecorder.meta) when known."""
+    traces = as_traces(traces)
+    title = f"{traces[0].scheduling} batching"
+    k = max((s.proposed for t in traces for s in t.scheduled), default=0)
+    if k:
+        spec = dict((meta or {}).get("speculative") or {})
+        method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(spec.get("method"), spec.get("method"))
+        k = spec.get("num_speculative_tokens", k)
+        title += f" + speculative decoding ({method + ', ' if method else ''}k = {k})"
+    return title
+
+
+@styled
+def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order=None, window=None) -> dict:
     """Draw the membership timeline; cells only through step ``upto`` (an animation
-    does not show the future), the x range always covers the whole run; the
-    column of step ``highlight`` is framed. ``order`` (a seq_order dict) fixes
-    rows and colours, e.g. to share them between two runs.
+    does not show the future), the x range covers the whole run, or ``window``
+    steps around ``highlight`` (``upto``) on longer runs; the column of step
+    ``highlight`` is framed. ``order`` (a seq_order dict) fixes rows and colours,
+    e.g. to share them between two runs.
 
     Returns {"ax", "rows": [seq ids, top to bottom], "cells": {(seq, step): phase},
-             "patches": {(seq, step): [Rectangle]}, "spec": {...}, "highlight": step or None}.
+             "patches": {(seq, step): [Rectangle]}, "spec": {...}, "highlight": step or None,
+             "xlim": (first, last) step shown}.
     """
     traces = as_traces(traces)
+    st = style()
     ax = new_axes(ax, (13, 5))
     steps = [t.step for t in traces]
     for name, value in (("upto", upto), ("highlight", highlight)):
         if value is not None and value not in steps:
             raise ValueError(f"{name}={value} is not a step of the trace (steps {steps[0]}..{steps[-1]})")
+    first, last = step_window(steps, highlight if highlight is not None else upto, window)
     order = order or seq_order(traces)
     all_cells = timeline_cells(traces)
     rows = sorted({sid for sid, _ in all_cells}, key=order.get)
     y_of = {sid: i for i, sid in enumerate(rows)}
     spec = speculation(traces)
-    # "2/3" goes above a speculative cell, in room made by shorter cells; only while it fits
-    annotate = bool(spec) and len(steps) <= 40
+    w_pt, h_pt = axes_size_pt(ax)
+    cell_pt = w_pt / (last - first + 1.2)
+    widest = max([f"{a}/{p}" for a, p, _ in spec.values()] or [""], key=len)
+    # "2/3" goes above a speculative cell, in room made by shorter cells; only where it fits
+    annotate = bool(spec) and cell_pt >= text_width_pt(widest, st.small) + 2 \
+        and h_pt / max(len(rows), 1) >= 2.4 * st.small
     top, height = (-0.22, 0.62) if annotate else (-0.4, 0.8)
     preempted = preempted_cells(traces)
     cells, patches = {}, {}
@@ -135,10 +182,12 @@ def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order
         if upto is not None and step > upto:
             continue
         cells[(sid, step)] = phase
+        if not first <= step <= last:                     # outside the window: known, not drawn
+            continue
         x, y = step, y_of[sid]
         left, width, drawn = x - 0.45, 0.9, []
         if (sid, step) in preempted and phase != "preempted":       # preempted, then ran again
-            drawn.append(ax.add_patch(Rectangle((left, y + top), 0.3, height,
+            drawn.append(ax.add_artist(Rectangle((left, y + top), 0.3, height,
                                                 facecolor=PHASE_COLORS["preempted"], edgecolor="none")))
             left, width = left + 0.3, width - 0.3
         if (sid, step) in spec and phase == "decode":
@@ -146,36 +195,37 @@ def draw_timeline(traces, ax=None, upto=None, highlight=None, legend=True, order
             drawn += _spec_slivers(ax, left, y + top, width, height, accepted, proposed)
             if annotate:
                 ax.text(x, y + top - 0.02, f"{accepted}/{proposed}", ha="center", va="bottom",
-                        fontsize=SMALL_FONT)
+                        fontsize=st.small)
         else:
-            drawn.append(ax.add_patch(Rectangle(
+            drawn.append(ax.add_artist(Rectangle(
                 (left, y + top), width, height, facecolor=PHASE_COLORS[phase],
                 edgecolor="#CCCCCC" if phase == "finished" else "none",
                 hatch="//" if phase == "padding" else None)))
         patches[(sid, step)] = drawn
     frame = None
     if highlight is not None:
-        frame = ax.add_patch(Rectangle((highlight - 0.5, -0.9), 1.0, len(rows) + 0.45, fill=False,
+        frame = ax.add_artist(Rectangle((highlight - 0.5, -0.9), 1.0, len(rows) + 0.45, fill=False,
                                        edgecolor="black", linewidth=2.5, zorder=5))
-    ax.set_xlim(steps[0] - 0.6, steps[-1] + 0.6)
+    ax.set_xlim(first - 0.6, last + 0.6)
     ax.set_ylim(len(rows) - 0.4, -0.95)
     # y labels carry the sequence's identity colour, the one the block views use
-    label_every = max(1, len(rows) // 24)
+    label_every = max(1, math.ceil(st.small * 1.6 / max(h_pt / max(len(rows), 1), 1e-6)))
     ax.set_yticks(range(0, len(rows), label_every), [short_label(r) for r in rows[::label_every]],
-                  fontsize=SMALL_FONT)
+                  fontsize=st.small)
     for label, sid in zip(ax.get_yticklabels(), rows[::label_every]):
         color = seq_color(sid, order)
         label.set_bbox(dict(facecolor=color, edgecolor="none", pad=1.5))
         label.set_color(text_color_on(color))
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
-    ax.tick_params(labelsize=SMALL_FONT, length=0)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=max(2, int(w_pt / text_width_pt(f"{last}  ", st.small))),
+                                           integer=True))
+    ax.tick_params(labelsize=st.small, length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_xlabel("iteration (engine step)", fontsize=FONT_SIZE)
-    ax.set_title(f"batch membership ({traces[0].scheduling} batching)", fontsize=FONT_SIZE, loc="left")
+    ax.set_xlabel("iteration (engine step)", fontsize=st.font)
+    ax.set_title(f"batch membership ({run_title(traces)})", fontsize=st.font, loc="left")
     handles = legend_handles(all_cells, spec, preempted)
     if legend:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=SMALL_FONT,
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=st.small,
                   frameon=False, borderaxespad=0.3)
     return {"ax": ax, "rows": rows, "cells": cells, "patches": patches, "spec": spec,
-            "highlight": highlight, "highlight_artist": frame, "legend": handles}
+            "highlight": highlight, "highlight_artist": frame, "legend": handles, "xlim": (first, last)}

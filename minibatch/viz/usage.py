@@ -12,13 +12,21 @@ Two curves tell most of the batching story (vLLM §2.3/§6, Orca §5):
 
 ``draw_comparison`` puts two runs of the same workload in two columns with
 shared axes, so "static takes longer and fills less" is read off directly.
+
+Scales follow the data, not the limits: 30 blocks in use of 128, or 4 decode
+tokens a step under a 512-token budget, would be flat lines at the bottom of
+an axis drawn to the limit. So the y axis fits what the run used; the
+capacity and the budget are drawn as dashed lines only where they fall near
+that range, and named in the title otherwise. Rare prefill spikes (far above
+the typical step) run off the top of the tokens axis, marked with a triangle,
+so that decode-only steps stay visible; the legend says how high they went.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FONT_SIZE, PHASE_COLORS, SMALL_FONT, as_traces, new_axes,
-                         seq_order)
+from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, PHASE_COLORS, as_traces, figsize_for, new_axes,
+                                  style, styled)
 
 USED_COLOR = "#4477AA"      # Tol bright blue: blocks a live sequence points at
 
@@ -60,99 +68,196 @@ def summarize(traces) -> dict:
             "acceptance_rate": accepted / proposed if proposed else None}
 
 
-def usage_legend_handles() -> list:
-    from matplotlib.lines import Line2D                 # matplotlib only where drawing: the numbers above
-    from matplotlib.patches import Patch                #   serve the text view without it
-    return [Patch(facecolor=USED_COLOR, label="used block"),
-            Patch(facecolor=CACHED_FREE_COLOR, hatch="//", edgecolor=EDGE_COLOR, label="cached-free block"),
-            Patch(facecolor="white", edgecolor=EDGE_COLOR, label="free block"),
-            Line2D([], [], color="black", linestyle="--", label="token budget")]
+def nice_ceiling(x: float) -> float:
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 10^k that is >= x (an axis top that reads well)."""
+    if x <= 1:
+        return 1.0
+    base = 10 ** np.floor(np.log10(x))
+    return float(next(m * base for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * base >= x - 1e-9))
 
 
-def _window(ax, steps, upto, highlight):
-    """Fix the x range to the whole run and mark the current step."""
-    ax.set_xlim(steps[0] - 0.6, steps[-1] + 0.6)
+def fit_scale(data_max: float, limit: float, typical: float = None) -> dict:
+    """{"top", "limit_shown", "clipped"}: an axis top fitted to the data. With ``typical`` (the usual value),
+    a maximum over 8x that is a spike (the usual bars would be a sliver under it): the axis fits 3x the
+    typical value and the spikes run off the top.
+    The limit (capacity, budget) is drawn only when it lies within half again of that top."""
+    top = max(1.0, data_max * 1.1)
+    clipped = typical is not None and data_max > 8 * max(typical, 1.0)
+    if clipped:
+        top = 3 * max(typical, 1.0)
+    shown = limit <= 1.5 * top
+    if shown:
+        top = max(top, limit * 1.05)
+    top = nice_ceiling(top)
+    return {"top": top, "limit_shown": bool(shown), "clipped": bool(data_max > top)}
+
+
+def throughput_scale(total, budget: float) -> dict:
+    """The tokens axis: fit_scale with the 75th percentile of the steps as the typical step."""
+    return {**fit_scale(float(total.max()), budget, typical=float(np.percentile(total, 75))),
+            "max": float(total.max())}
+
+
+CAPACITY_STYLE = dict(color="black", linestyle=":", linewidth=1.8)    # the pool's size: dotted
+BUDGET_STYLE = dict(color="black", linestyle="--", linewidth=1.2)      # the token budget: dashed
+
+
+def _limit_line(label: str, style: dict):
+    from matplotlib.lines import Line2D
+    return Line2D([], [], label=label, **style)
+
+
+def _window(ax, steps, upto, highlight, xlim=None):
+    """Fix the x range (the whole run, or ``xlim`` = (first, last) step) and mark the current step."""
+    first, last = xlim or (steps[0], steps[-1])
+    ax.set_xlim(first - 0.6, last + 0.6)
     if highlight is not None:
         ax.axvline(highlight, color="black", linewidth=2)
-    keep = steps <= upto if upto is not None else np.ones(len(steps), bool)
-    return keep
+    return steps <= upto if upto is not None else np.ones(len(steps), bool)
 
 
-def draw_kv_usage(traces, ax=None, upto=None, highlight=None) -> dict:
-    """Stacked area of used / cached-free / free blocks over steps (through ``upto``).
-    Returns kv_usage(...) plus "ax" and "shown" (how many steps were drawn)."""
+@styled
+def draw_kv_usage(traces, ax=None, upto=None, highlight=None, xlim=None, legend=True, top=None) -> dict:
+    """Stacked area of used and cached-free blocks over steps (through ``upto``), on an axis fitted to
+    the run (``top`` fixes it instead); the pool's capacity as a dashed line when it is near that range.
+    Returns kv_usage(...) plus "ax", "shown" (steps drawn), "top" (the axis top) and "legend" (handles)."""
+    from matplotlib.patches import Patch               # matplotlib only where drawing: the numbers above
+    from matplotlib.ticker import MaxNLocator           #   serve the text view and the demo summary without it
     traces = as_traces(traces)
+    st = style()
     ax = new_axes(ax, (8, 3))
     kv = kv_usage(traces)
-    keep = _window(ax, kv["steps"], upto, highlight)
+    keep = _window(ax, kv["steps"], upto, highlight, xlim)
     x = kv["steps"][keep]
-    ax.stackplot(x, kv["used"][keep], kv["cached_free"][keep], kv["free"][keep], step=None,
-                 colors=[USED_COLOR, CACHED_FREE_COLOR, "white"], edgecolor=EDGE_COLOR, linewidth=0.5,
-                 hatch=[None, "//", None], labels=["used", "cached-free", "free"])
-    ax.set_ylim(0, kv["num_blocks"])
-    ax.set_ylabel("KV blocks", fontsize=SMALL_FONT)
-    ax.tick_params(labelsize=SMALL_FONT)
-    ax.set_title(f"KV cache occupancy ({kv['num_blocks']} blocks)", fontsize=FONT_SIZE, loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=SMALL_FONT, frameon=False)
-    return {**kv, "ax": ax, "shown": int(keep.sum())}
+    ax.stackplot(x, kv["used"][keep], kv["cached_free"][keep], colors=[USED_COLOR, CACHED_FREE_COLOR],
+                 edgecolor=EDGE_COLOR, linewidth=0.5, hatch=[None, "//"])
+    scale = fit_scale(float((kv["used"] + kv["cached_free"]).max()), kv["num_blocks"]) if top is None else \
+        {"top": float(top), "limit_shown": kv["num_blocks"] <= top}
+    handles = []
+    if kv["used"].any():
+        handles.append(Patch(facecolor=USED_COLOR, label="used block"))
+    if kv["cached_free"].any():
+        handles.append(Patch(facecolor=CACHED_FREE_COLOR, hatch="//", edgecolor=EDGE_COLOR, label="cached-free block"))
+    if scale["limit_shown"]:
+        ax.axhline(kv["num_blocks"], **CAPACITY_STYLE)
+        handles.append(_limit_line("capacity (all blocks)", CAPACITY_STYLE))
+        title = f"KV cache occupancy (capacity {kv['num_blocks']} blocks)"
+    else:
+        title = f"KV cache occupancy (capacity {kv['num_blocks']} blocks, above this scale)"
+    ax.set_ylim(0, scale["top"])
+    ax.set_ylabel("KV blocks", fontsize=st.small)
+    ax.tick_params(labelsize=st.small)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+    ax.set_title(title, fontsize=st.font, loc="left")
+    if legend:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=st.small, frameon=False)
+    return {**kv, "ax": ax, "shown": int(keep.sum()), "top": scale["top"], "legend": handles}
 
 
-def draw_throughput(traces, ax=None, upto=None, highlight=None) -> dict:
-    """Tokens per step as bars stacked by phase, and the token budget as a dashed line.
-    Returns tokens_per_step(...) plus "ax" and "shown"."""
+@styled
+def draw_throughput(traces, ax=None, upto=None, highlight=None, xlim=None, legend=True, top=None) -> dict:
+    """Tokens per step as bars stacked by phase, on an axis fitted to the run (``top`` fixes it instead);
+    the token budget as a dashed line when it is near that range; spikes above the axis get a triangle.
+    Returns tokens_per_step(...) plus "ax", "shown", "top", "clipped" (steps off the scale), "legend"."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
     traces = as_traces(traces)
+    st = style()
     ax = new_axes(ax, (8, 3))
     tok = tokens_per_step(traces)
-    keep = _window(ax, tok["steps"], upto, highlight)
-    bottom = np.zeros(int(keep.sum()))
+    keep = _window(ax, tok["steps"], upto, highlight, xlim)
+    budget = float(tok["budget"].max())
+    scale = throughput_scale(tok["total"], budget) if top is None else \
+        {"top": float(top), "limit_shown": budget <= top, "clipped": tok["total"].max() > top,
+         "max": float(tok["total"].max())}
+    bottom, handles = np.zeros(int(keep.sum())), []
     for phase in ("decode", "prefill", "resumed"):
-        ax.bar(tok["steps"][keep], tok[phase][keep], bottom=bottom, width=0.8, color=PHASE_COLORS[phase],
-               label=f"{phase} tokens")
+        if tok[phase].any():
+            ax.bar(tok["steps"][keep], tok[phase][keep], bottom=bottom, width=0.8, color=PHASE_COLORS[phase])
+            handles.append(Patch(facecolor=PHASE_COLORS[phase], label=f"{phase} tokens"))
         bottom += tok[phase][keep]
-    ax.step(tok["steps"], tok["budget"], where="mid", color="black", linestyle="--", linewidth=1.2,
-            label="token budget")
-    ax.set_ylim(0, max(tok["budget"].max(), tok["total"].max()) * 1.1)
-    ax.set_ylabel("tokens / step", fontsize=SMALL_FONT)
-    ax.set_xlabel("iteration (engine step)", fontsize=SMALL_FONT)
-    ax.tick_params(labelsize=SMALL_FONT)
-    ax.set_title("tokens in the flat batch", fontsize=FONT_SIZE, loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=SMALL_FONT, frameon=False)
-    return {**tok, "ax": ax, "shown": int(keep.sum())}
+    if scale["limit_shown"]:
+        ax.step(tok["steps"], tok["budget"], where="mid", **BUDGET_STYLE)
+        handles.append(_limit_line("token budget", BUDGET_STYLE))
+        title = "tokens in the flat batch"
+    else:
+        title = f"tokens in the flat batch (budget {int(budget)}, above this scale)"
+    lo, hi = xlim or (tok["steps"][0], tok["steps"][-1])
+    shown = tok["steps"][keep]
+    over = shown[(bottom > scale["top"]) & (shown >= lo) & (shown <= hi)]   # markers are not clipped: keep
+    if len(over):
+        ax.plot(over, np.full(len(over), scale["top"]), linestyle="none", marker="^", color="black",
+                markersize=st.small * 0.6, clip_on=False, zorder=6)
+    if scale["clipped"]:
+        handles.append(Line2D([], [], linestyle="none", marker="^", color="black",
+                              label=f"step above the scale (max {int(scale['max'])})"))
+    ax.set_ylim(0, scale["top"])
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+    ax.set_ylabel("tokens / step", fontsize=st.small)
+    ax.set_xlabel("iteration (engine step)", fontsize=st.small)
+    ax.tick_params(labelsize=st.small)
+    ax.set_title(title, fontsize=st.font, loc="left")
+    if legend:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=st.small, frameon=False)
+    return {**tok, "ax": ax, "shown": int(keep.sum()), "top": scale["top"], "clipped": over.tolist(),
+            "legend": handles}
 
 
+def legend_columns(fig, handles, size: float) -> int:
+    """How many legend columns fit across ``fig`` at font ``size``."""
+    from minibatch.viz.common import text_width_pt
+    widest = max((text_width_pt(h.get_label(), size) for h in handles), default=1.0) + 3.5 * size
+    return max(1, min(len(handles), int(fig.get_figwidth() * 72 * 0.95 // widest)))
+
+
+def merge_handles(*groups) -> list:
+    """One legend from several views' handles: the first handle of each label, in order."""
+    out = {}
+    for group in groups:
+        for h in group:
+            out.setdefault(h.get_label(), h)
+    return list(out.values())
+
+
+@styled
 def draw_comparison(traces_a, traces_b, labels=("static", "continuous"), fig=None) -> dict:
     """Two runs of one workload in two columns: timeline, KV occupancy, tokens per step.
-    Both columns share the x range (the longer run's) and the sequence colours.
+    Both columns share the x range (the longer run's), the y scales and the sequence colours.
     Returns {"fig", labels[0]: {...}, labels[1]: {...}, "summary": {label: summarize(...)}}."""
     from minibatch.viz.timeline import draw_timeline
+    from minibatch.viz.palette import seq_order
     runs = [as_traces(traces_a), as_traces(traces_b)]
     if len(labels) != 2:
         raise ValueError(f"labels must name the two runs, got {labels!r}")
+    st = style()
     if fig is None:
         import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=(14, 8.5))
-    grid = fig.add_gridspec(3, 2, height_ratios=[2.2, 1, 1], hspace=0.5, wspace=0.15,
-                            left=0.06, right=0.98, top=0.93, bottom=0.17)
+        fig = plt.figure(figsize=figsize_for((14, 8.5)))
+    fig.set_layout_engine("constrained")
+    grid = fig.add_gridspec(3, 2, height_ratios=[2.2, 1, 1])
     order = seq_order(runs[0] + runs[1])                 # one colour per request across both runs
     first, last = min(r[0].step for r in runs), max(r[-1].step for r in runs)
-    kv_top = max(t.num_blocks for r in runs for t in r)
-    tok_top = 1.1 * max(max(t.token_budget, t.num_batched_tokens) for r in runs for t in r)
-    out, handles = {"fig": fig, "summary": {}}, {}
+    both = runs[0] + runs[1]
+    kv, tok = kv_usage(both), tokens_per_step(both)
+    kv_top = fit_scale(float((kv["used"] + kv["cached_free"]).max()), kv["num_blocks"])["top"]
+    tok_top = throughput_scale(tok["total"], float(tok["budget"].max()))["top"]
+    from matplotlib.ticker import MaxNLocator
+    out, handles = {"fig": fig, "summary": {}}, []
     for col, (run, label) in enumerate(zip(runs, labels)):
         s = summarize(run)
         axes = [fig.add_subplot(grid[row, col]) for row in range(3)]
         res = {"timeline": draw_timeline(run, ax=axes[0], legend=False, order=order),
-               "kv": draw_kv_usage(run, ax=axes[1]), "throughput": draw_throughput(run, ax=axes[2])}
-        for ax in axes:
-            ax.set_xlim(first - 0.6, last + 0.6)
-            ax.get_legend() and ax.get_legend().remove()     # one shared legend below instead
-        for h in res["timeline"]["legend"]:
-            handles.setdefault(h.get_label(), h)
-        axes[1].set_ylim(0, kv_top)
-        axes[2].set_ylim(0, tok_top)
+               "kv": draw_kv_usage(run, ax=axes[1], xlim=(first, last), legend=False, top=kv_top),
+               "throughput": draw_throughput(run, ax=axes[2], xlim=(first, last), legend=False, top=tok_top)}
+        axes[0].set_xlim(first - 0.6, last + 0.6)
+        axes[0].xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))   # both tick the same steps
+        handles += res["timeline"]["legend"] + res["kv"]["legend"] + [   # bars wear the phase colours already listed
+            h for h in res["throughput"]["legend"] if not h.get_label().endswith(" tokens")]
         axes[0].set_title(f"{label}: {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step, "
-                          f"KV {100 * s['kv_used_fraction']:.0f}% used", fontsize=FONT_SIZE, loc="left")
+                          f"KV {100 * s['kv_used_fraction']:.0f}% used", fontsize=st.font, loc="left")
         out[label], out["summary"][label] = res, s
-    fig.legend(handles=list(handles.values()) + usage_legend_handles(), loc="lower center", ncols=7,
-               fontsize=SMALL_FONT, frameon=False)
+    handles = merge_handles(handles)
+    fig.legend(handles=handles, loc="outside lower center", ncols=legend_columns(fig, handles, st.small),
+               fontsize=st.small, frameon=False)
     return out
