@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     g.add_argument("-k", type=int, default=3, help="speculative tokens per step")
     d = sub.add_parser("demo", help="lecture demos: continuous, paged, speculative")
     d.add_argument("scenario")
-    d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default demo-<scenario>.gif")
+    d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
     s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) with a live view at /")

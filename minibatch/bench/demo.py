@@ -116,15 +116,17 @@ def speculation_lines(traces: list, meta=None) -> list:
     """Acceptance, and the two rates a lecturer must not confuse: tokens batched per step (drafts count) and
     tokens emitted per target forward. A verify step emits its accepted drafts plus one token of the target's
     own (the bonus token when all k were accepted, else the correction), so: sum(accepted + 1) / verify steps."""
-    verify = [x for t in traces for x in t.scheduled if x.proposed]
-    if not verify:
+    from minibatch.stats import run_stats
+    s = run_stats(traces)
+    if not s.get("spec_proposed"):
         return []
-    prop, acc = sum(x.proposed for x in verify), sum(x.accepted for x in verify)
+    prop, acc = s["spec_proposed"], s["spec_accepted"]
     spec = dict((meta or {}).get("speculative") or {})
-    method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(spec.get("method"), spec.get("method"))
-    k = spec.get("num_speculative_tokens", max(x.proposed for x in verify))
-    batched = sum(t.num_batched_tokens for t in traces) / len(traces)
-    per_forward = sum(x.accepted + 1 for x in verify) / len(verify)
+    method = spec.get("method") or s["speculative_method"]
+    method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(method, method)
+    k = spec.get("num_speculative_tokens") or traces[-1].num_speculative_tokens or \
+        max(x.proposed for t in traces for x in t.scheduled)
+    batched, per_forward = s["mean_tokens_per_step"], s["tokens_per_verify_step"]
     return [f"  speculative decoding ({method + ', ' if method else ''}k = {k}): {acc}/{prop} draft tokens accepted "
             f"(alpha = {acc / prop:.2f})",
             f"    tokens per step, batched (all sequences, drafts included):   {batched:.1f}",
@@ -133,24 +135,22 @@ def speculation_lines(traces: list, meta=None) -> list:
 
 def summary_lines(name: str, traces: list, meta=None) -> list:
     """What a lecturer says over the animation, computed from the trace (``meta``: the recorder's)."""
-    from minibatch.viz.usage import summarize
-    s = summarize(traces)
+    from minibatch.stats import run_stats
+    s = run_stats(traces)
     seqs = {x.seq_id for t in traces for x in t.scheduled}
-    lines = [f"{name}: {len(seqs)} sequences in {s['steps']} steps, {s['tokens_per_step']:.1f} tokens/step batched, "
-             f"KV blocks {100 * s['kv_used_fraction']:.0f}% used on average"]
-    padding = sum(t.num_padding_slots for t in traces)
-    useful = sum(len(t.scheduled) for t in traces)
+    lines = [f"{name}: {len(seqs)} sequences in {s['num_steps']} steps, {s['mean_tokens_per_step']:.1f} tokens/step "
+             f"batched, KV blocks {100 * s['kv_usage_mean']:.0f}% used on average"]
+    padding = s["padding_slot_steps"]
     if padding:
         lines.append(f"  static batching: {padding} slot-steps held by finished sequences "
-                     f"(occupancy {useful / (useful + padding):.0%})")
-    pre = sum(len(t.preempted) for t in traces)
+                     f"(occupancy {s['useful_share_of_slots']:.0%})")
+    pre = s["preemptions"]
     if pre:
         lines.append(f"  {pre} preemption(s): those sequences lost their blocks and recomputed them later")
-    last = traces[-1]
-    if last.prefix_cache_queries:
+    if s["prefix_cache_queries"]:
         from minibatch.viz.common import evicted_blocks            # matplotlib-free: the text view uses it too
         evicted = sum(len(evicted_blocks(traces, t.step)) for t in traces)
-        lines.append(f"  prefix cache: {last.prefix_cache_hits} of {last.prefix_cache_queries} full prompt "
+        lines.append(f"  prefix cache: {s['prefix_cache_hits']} of {s['prefix_cache_queries']} full prompt "
                      f"blocks reused; {evicted} cache entries evicted to make room")
     if any(max(t.ref_counts or [0]) > 1 for t in traces):
         lines.append(f"  blocks shared (ref count > 1) at some step: "

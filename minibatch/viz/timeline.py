@@ -132,14 +132,17 @@ def step_window(steps: list, center, window) -> tuple:
 
 def run_title(traces, meta=None) -> str:
     """'continuous batching', or '... + speculative decoding (draft model, k = 3)' when drafts were verified.
-    k is the longest proposal in the trace; the method comes from ``meta`` (TraceRecorder.meta) when known."""
+    The method and k come from the trace (``StepTrace.speculative_method``), else from ``meta``
+    (TraceRecorder.meta, for traces recorded before the trace carried them), else k is the longest proposal."""
     traces = as_traces(traces)
     title = f"{traces[0].scheduling} batching"
     k = max((s.proposed for t in traces for s in t.scheduled), default=0)
     if k:
         spec = dict((meta or {}).get("speculative") or {})
-        method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(spec.get("method"), spec.get("method"))
-        k = spec.get("num_speculative_tokens", k)
+        last = traces[-1]
+        method = getattr(last, "speculative_method", None) or spec.get("method")
+        method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(method, method)
+        k = getattr(last, "num_speculative_tokens", 0) or spec.get("num_speculative_tokens", k)
         title += f" + speculative decoding ({method + ', ' if method else ''}k = {k})"
     return title
 

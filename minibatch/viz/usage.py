@@ -54,18 +54,14 @@ def tokens_per_step(traces) -> dict:
 
 
 def summarize(traces) -> dict:
-    """A run in a few numbers: what a comparison table shows."""
-    traces = as_traces(traces)
-    kv, tok = kv_usage(traces), tokens_per_step(traces)
-    proposed = sum(s.proposed for t in traces for s in t.scheduled)
-    accepted = sum(s.accepted for t in traces for s in t.scheduled)
-    return {"steps": len(traces), "tokens": int(tok["total"].sum()),
-            "tokens_per_step": float(tok["total"].mean()),
-            "kv_used_fraction": float((kv["used"] / kv["num_blocks"]).mean()),
-            "generated": sum(len(s.new_token_ids) for t in traces for s in t.scheduled),
-            "padding_slot_steps": sum(t.num_padding_slots for t in traces),
-            "preemptions": sum(len(t.preempted) for t in traces),
-            "acceptance_rate": accepted / proposed if proposed else None}
+    """A run in a few numbers, under the names the comparison's titles use (``minibatch.stats.run_stats``
+    computes them: one definition per figure)."""
+    from minibatch.stats import run_stats
+    r = run_stats(as_traces(traces))
+    return {"steps": r["num_steps"], "tokens": r["num_batched_tokens"], "tokens_per_step": r["mean_tokens_per_step"],
+            "kv_used_fraction": r["kv_usage_mean"], "generated": r["generated_tokens"],
+            "padding_slot_steps": r["padding_slot_steps"], "preemptions": r["preemptions"],
+            "acceptance_rate": r.get("acceptance_rate")}
 
 
 def nice_ceiling(x: float) -> float:
