@@ -113,7 +113,7 @@ def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
         steps.append(SeqStep(s.seq.seq_id, s.seq.request_id, s.phase, s.num_new_tokens, s.num_computed_before,
                              s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
                              proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks)))
-    live = [s for s in sched.running if a.has_seq(s.seq_id)]
+    live = sched.live_seq_ids()
     spec = engine.config.speculative_config or {}
     return StepTrace(
         step=engine.step_count, time=t_start - engine.t0, duration=time.perf_counter() - t_start,
@@ -121,7 +121,7 @@ def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
         admitted=[s.seq_id for s in out.admitted], preempted=[s.seq_id for s in out.preempted],
         finished=[s.seq.seq_id for s in out.scheduled if s.seq.is_finished],
         waiting=[s.seq_id for s in sched.waiting], running=[s.seq_id for s in sched.running],
-        block_tables={s.seq_id: a.block_table(s.seq_id) for s in live},
+        block_tables={sid: a.block_table(sid) for sid in live},
         num_blocks=a.num_blocks, block_size=a.block_size, ref_counts=a.ref_counts(),
         cached_blocks=a.cached_block_ids(), num_free_blocks=a.num_free_blocks,
         num_batched_tokens=out.num_batched_tokens, token_budget=sched.max_num_batched_tokens,

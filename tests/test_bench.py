@@ -23,5 +23,6 @@ def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
     for r in rows:
         k = int(r[3])
         tps, base, speedup, alpha, tok_fwd, formula, predicted = map(float, r[4:11])
-        assert abs(speedup - tps / base) < 0.01 and 0.0 <= alpha <= 1.0
+        rounding = 0.005 + 0.05 / base * (1 + tps / base)     # tok/s are printed to 0.1, the ratio to 0.01
+        assert abs(speedup - tps / base) <= rounding and 0.0 <= alpha <= 1.0
         assert 1.0 <= tok_fwd <= k + 1 and 1.0 <= formula <= k + 1 and 0.0 < predicted <= formula

@@ -38,7 +38,7 @@ class Harness:
     def step(self):
         out = self.sched.schedule()
         self.sched.update_from_output(out, model_free_output(out))
-        self.alloc.check_invariants([s.seq_id for s in self.sched.running])
+        self.alloc.check_invariants(self.sched.live_seq_ids())
         for s in out.scheduled:                   # the scheduler's one invariant, held after every step
             seq = s.seq
             assert seq.is_finished or seq.num_computed_tokens == s.num_computed_before + s.num_new_tokens

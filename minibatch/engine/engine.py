@@ -12,7 +12,6 @@ The step-level interface is vLLM's ``LLMEngine``: ``add_request``,
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Optional
 
@@ -40,9 +39,9 @@ class LLMEngine:
         self.model, self.config = model, c
         self.allocator = BlockAllocator(num_blocks, c.block_size, c.enable_prefix_caching)
         # Static batching runs a rectangle: a finished member still computes a padding token every step
-        # (as in HF generate or FasterTransformer). Those tokens write their K/V into scratch blocks
-        # past the allocator's pool (ids num_blocks, ...), which no sequence ever owns: one slot each.
-        num_scratch = math.ceil(c.max_num_seqs / c.block_size) if c.scheduling == "static" else 0
+        # (as in HF generate or FasterTransformer). When that token starts a new block, its K/V goes to a
+        # scratch block past the allocator's pool (ids num_blocks, ...), which no sequence ever owns.
+        num_scratch = c.max_num_seqs if c.scheduling == "static" else 0
         self.kv_cache = KVCache(mc.n_layer, num_blocks + num_scratch, c.block_size, mc.num_kv_heads, mc.head_dim,
                                 dtype=model.dtype, device=model.device)
         sched = StaticScheduler if c.scheduling == "static" else Scheduler

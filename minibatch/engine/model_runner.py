@@ -44,14 +44,14 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.attention_backend = attention_backend
         self.sampler = Sampler(seed)
-        self.scratch_block = scratch_block   # static batching: padding rows write here, outside the pool
+        self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
         self.hidden_states = tuple(hidden_states)
 
     @torch.no_grad()
     def execute(self, out) -> ModelRunnerOutput:
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)
-        input_ids, attn, logits_idx, rows = self._prepare_inputs(out.scheduled, out.num_padding_slots)
+        input_ids, attn, logits_idx, rows = self._prepare_inputs(out.scheduled, out.padding)
         dev = self.model.device
         result = self.model(torch.tensor(input_ids, device=dev), attn.metadata.positions, attn,
                             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
@@ -60,7 +60,7 @@ class ModelRunner:
         sampled, accepted, forked = self._sample(out.scheduled, logits.float(), rows)
         return ModelRunnerOutput(sampled, accepted, forked, hidden, rows)
 
-    def _prepare_inputs(self, scheduled, num_padding: int = 0):
+    def _prepare_inputs(self, scheduled, padding=()):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
         each sequence's rows among the N."""
         input_ids, logits_idx, rows = [], [], []
@@ -73,10 +73,13 @@ class ModelRunner:
         computed = [s.num_computed_before for s in scheduled]
         new = [s.num_new_tokens for s in scheduled]
         bs = self.block_size
-        for i in range(num_padding):          # static batching's idle slots: row i is token 0 at scratch
-            input_ids.append(0)               # slot i, attending to the padding rows before it in its block
-            tables.append([self.scratch_block + i // bs])
-            computed.append(i % bs)
+        for i, (table, context) in enumerate(padding):
+            # static batching's idle slots: a finished member still computes a token at position `context`,
+            # attending over its whole context, as a rectangular batch does. Its K/V goes to the unused slot
+            # after its last token, or, when that starts a new block, to scratch block i past the pool.
+            input_ids.append(0)
+            tables.append(table + [self.scratch_block + i] if context % bs == 0 else table)
+            computed.append(context)
             new.append(1)
         meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device)
         return input_ids, PagedAttention(self.kv_cache, meta, self.attention_backend), logits_idx, rows

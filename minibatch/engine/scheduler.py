@@ -68,11 +68,16 @@ class SchedulerOutput:
     admitted: list = field(default_factory=list)         # [Sequence]
     preempted: list = field(default_factory=list)        # [Sequence]
     cow_copies: list = field(default_factory=list)       # (src, dst) blocks to copy before the forward
-    num_padding_slots: int = 0                           # static batching: finished members holding a slot
+    padding: list = field(default_factory=list)          # static batching: (block_table, context length) of
+                                                         # each finished member, which still computes a token
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_padding_slots(self) -> int:
+        return len(self.padding)
 
 
 class Scheduler:
@@ -103,6 +108,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
+    def live_seq_ids(self) -> list:
+        """The sequences that hold blocks: the running ones (the static baseline adds its finished members)."""
+        return [s.seq_id for s in self.running if self.allocator.has_seq(s.seq_id)]
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a finished or aborted sequence out and return its blocks."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -111,6 +120,10 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Return a finished sequence's blocks (the static baseline holds them until its batch ends)."""
         if self.allocator.has_seq(seq.seq_id):
             self.allocator.free(seq.seq_id)
 

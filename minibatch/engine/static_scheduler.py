@@ -5,9 +5,10 @@ does): form a batch of up to ``max_num_seqs`` requests in queue order (arrival
 order under FCFS; with ``policy="priority"``, priority first), run it until
 *every* member is done, and admit nobody meanwhile. Blocks for each member's
 full length (prompt + ``max_tokens``) are reserved when the batch forms, so it
-never preempts. A finished member keeps its slot: the batch is a rectangle, so
-it still computes a padding token every step, which is thrown away
-(``num_padding_slots``; the model runner feeds those rows). Everything after
+never preempts. A finished member keeps its slot and its blocks until the whole
+batch is done: the batch is a rectangle, so it still computes a token every step,
+attending over its whole context, which is thrown away (``SchedulerOutput.padding``;
+the model runner feeds those rows). Everything after
 ``schedule()`` (the model runner, ``update_from_output``) is shared, so the
 comparison with continuous batching measures the scheduling and nothing else.
 """
@@ -20,7 +21,7 @@ from minibatch.engine.sequence import Sequence
 class StaticScheduler(Scheduler):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.batch: list[Sequence] = []        # the batch being run, finished members included
+        self.batch: list[Sequence] = []        # the batch being run, finished members included (with their blocks)
 
     def reservation(self, seq: Sequence) -> int:
         """Blocks set aside for ``seq`` at its full length: its own prompt + max_tokens, and for each of its
@@ -47,8 +48,21 @@ class StaticScheduler(Scheduler):
                 reserved += need
                 self._start(seq, out)
                 self.batch.append(seq)
-        out.num_padding_slots = sum(s.is_finished for s in self.batch)
+        out.padding = [(self.allocator.block_table(s.seq_id), s.num_computed_tokens)
+                       for s in self.batch if s.is_finished and self.allocator.has_seq(s.seq_id)]
         self._schedule_running(out, self.max_num_batched_tokens, skip=set(), preempt=False)
+
+    def _release(self, seq: Sequence) -> None:
+        """A member's blocks stay with the batch until every member is done; then all of them go."""
+        if seq not in self.batch:
+            return super()._release(seq)
+        if all(s.is_finished for s in self.batch):
+            for s in self.batch:
+                super()._release(s)
+
+    def live_seq_ids(self) -> list:
+        held = [s.seq_id for s in self.batch if s.is_finished and self.allocator.has_seq(s.seq_id)]
+        return super().live_seq_ids() + held
 
     def _on_fork(self, child: Sequence) -> None:
         super()._on_fork(child)
