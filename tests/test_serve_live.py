@@ -17,7 +17,8 @@ import pytest
 
 from minibatch import LLM
 from minibatch.serve import ServerThread
-from minibatch.viz.common import PHASE_COLORS, SEQ_PALETTE
+from minibatch.viz.common import PHASE_COLORS
+from minibatch.viz.palette import SEQ_PALETTE
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = [pytest.mark.serve,

@@ -21,8 +21,8 @@ import pathlib
 import threading
 from collections import deque
 
-from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, PHASE_COLORS, PHASE_LABELS,
-                                  SEQ_PALETTE, SPEC_REJECTED_COLOR)
+from minibatch.viz.common import CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, PHASE_COLORS, PHASE_LABELS, SPEC_REJECTED_COLOR
+from minibatch.viz.palette import SEQ_PALETTE, SEQ_PALETTE_LARGE
 
 STATIC = pathlib.Path(__file__).parent / "static"
 _CLOSE = None
@@ -92,7 +92,8 @@ def page_config(model_name: str) -> dict:
     the matplotlib views' colours and labels."""
     from minibatch.viz.timeline import SPEC_TARGET_COLOR     # loads matplotlib: once, on the first page
     return {"model": model_name, "phase_colors": PHASE_COLORS, "phase_labels": PHASE_LABELS,
-            "spec_target_color": SPEC_TARGET_COLOR, "seq_palette": SEQ_PALETTE, "free_color": FREE_COLOR,
+            "spec_target_color": SPEC_TARGET_COLOR, "seq_palette": SEQ_PALETTE,
+            "seq_palette_large": SEQ_PALETTE_LARGE, "free_color": FREE_COLOR,
             "cached_free_color": CACHED_FREE_COLOR,
             "edge_color": EDGE_COLOR, "spec_rejected_color": SPEC_REJECTED_COLOR}
 
