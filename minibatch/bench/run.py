@@ -171,6 +171,6 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="speculative: timed runs per row, best kept")
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
-    (bench_batching if args.which == "batching" else bench_speculative)(args)
+    with torch.no_grad():                      # inference only; the caller's grad mode comes back after
+        (bench_batching if args.which == "batching" else bench_speculative)(args)
 
