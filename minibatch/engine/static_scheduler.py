@@ -17,7 +17,11 @@ from minibatch.engine.scheduler import Scheduler, SchedulerOutput
 from minibatch.engine.sequence import Sequence
 
 
-class StaticScheduler(Scheduler):
+class StaticBatching:
+    """What static batching changes in a scheduler: how the batch is formed (``_fill``) and who joins it.
+    A mixin over a scheduler class that has ``_schedule_running`` (``Scheduler``), so the same rules also run
+    over a student's scheduler (exercise 7)."""
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.batch: list[Sequence] = []        # the batch being run, finished members included
@@ -53,3 +57,7 @@ class StaticScheduler(Scheduler):
     def _on_fork(self, child: Sequence) -> None:
         super()._on_fork(child)
         self.batch.append(child)
+
+
+class StaticScheduler(StaticBatching, Scheduler):
+    """Static batching over the continuous scheduler's ``_schedule_running`` (with preemption off)."""
