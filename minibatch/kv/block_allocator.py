@@ -176,7 +176,8 @@ class BlockAllocatorBase:
 
     # -- the prefix cache ---------------------------------------------------------
     def num_cached_prefix_tokens(self, token_ids) -> int:
-        return len(self._lookup(_as_tokens(token_ids, "token_ids"))) * self.block_size
+        tokens = _as_tokens(token_ids, "token_ids")
+        return len(self._lookup(tokens)) * self.block_size if self.enable_prefix_caching else 0
 
     def _evict(self, block: int) -> None:
         e = self._entries.pop(block, None)
@@ -200,7 +201,7 @@ class BlockAllocatorBase:
         tokens = _as_tokens(token_ids, "token_ids")
         if not tokens:
             raise ValueError("token_ids is empty: a sequence needs at least one token")
-        hits = self._lookup(tokens)
+        hits = self._lookup(tokens) if self.enable_prefix_caching else []
         free = len(self._free) - sum(self._ref[b] == 0 for b, _, _ in hits)   # free hits leave the queue
         return tokens, hits, self.blocks_needed(len(tokens)) - len(hits), free
 
@@ -261,9 +262,8 @@ class BlockAllocator(BlockAllocatorBase):
 
     # -- the prefix cache -----------------------------------------------------------------
     def _lookup(self, tokens: list) -> list:
-        """[(block, hash, serial)] of the longest verified cached prefix, leaving the last token out."""
-        if not self.enable_prefix_caching:
-            return []
+        """[(block, hash, serial)] of the longest verified cached prefix, leaving the last token out.
+        (Called only with prefix caching on.)"""
         bs, found, parent_hash, parent_serial = self.block_size, [], None, None
         for i in range((len(tokens) - 1) // bs):          # cap: the last token is always computed
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
