@@ -152,6 +152,12 @@ class SchedulerBase:
                 s.seq.request.metrics.first_scheduled_time = now
         return out
 
+    @staticmethod
+    def _seats(seqs) -> int:
+        """Seats (towards max_num_seqs) these sequences take: one each, and one per fork still to come (n > 1:
+        the children fork off once the prompt is computed)."""
+        return sum(1 + s.num_forks_pending for s in seqs)
+
     def _fill(self, out: SchedulerOutput) -> None:
         """Choose this step's batch into ``out`` (``Scheduler`` and ``StaticScheduler`` each say how)."""
         raise NotImplementedError(f"{type(self).__name__} must define _fill(out)")
@@ -275,7 +281,7 @@ class Scheduler(SchedulerBase):
         chunk. Returns the budget left."""
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
-            if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1 takes n seats
+            if self._seats(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1: n seats
                 break
             if not self.allocator.can_allocate(seq.token_ids):
                 break                                         # head of line waits: no starvation under FCFS

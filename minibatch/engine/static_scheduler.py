@@ -46,7 +46,8 @@ class StaticBatching:
             self.batch, reserved = [], 0
             for seq in self.waiting:                     # queue order
                 need, seats = self.reservation(seq), 1 + seq.num_forks_pending
-                if reserved + need > self.allocator.num_free_blocks or len(self.batch) + seats > self.max_num_seqs:
+                if reserved + need > self.allocator.num_free_blocks or \
+                        self._seats(self.batch) + seats > self.max_num_seqs:
                     break
                 reserved += need
                 self._start(seq, out)
