@@ -73,8 +73,9 @@ class Scheduler(SchedulerBase):
         """Admit waiting sequences, in queue order (``self.waiting.peek()``), while budget is left; returns the
         budget left. Stop at the first that cannot start:
 
-        * the running sequences, this one and its pending forks (``1 + seq.num_forks_pending``: n > 1 samples
-          take n seats) would exceed ``self.max_num_seqs``;
+        * the seats taken would exceed ``self.max_num_seqs``: ``self._seats(self.running)`` (a running
+          sequence with n > 1 samples that has not forked yet takes its children's seats already) plus this
+          one's, ``1 + seq.num_forks_pending``;
         * the allocator cannot hold its tokens now (``self.allocator.can_allocate(seq.token_ids)``).
 
         Stopping at the head of the queue (not skipping to a smaller request behind it) is what keeps a long
