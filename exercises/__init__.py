@@ -1,7 +1,8 @@
 """Exercises: write pieces of the serving engine yourself, graded by pytest.
 
 The reference implementations live in ``minibatch/`` (and ``kernels/``); yours live
-here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``). One switch chooses,
+here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``): a function, or for
+ex6 and ex7 a class (the block allocator's and the scheduler's policy). One switch chooses,
 per piece, which of the two the graded tests and the engine use, so a student
 stuck on one piece can go on to the next with the reference in its place:
 
@@ -32,7 +33,7 @@ class Piece:
     name: str          # the piece's name in MINIBATCH_STUDENT
     part: str          # its pytest marker, ex1 .. ex9
     stem: str          # the student's file, without .py
-    func: str          # the function to write
+    func: str          # the function (or, for ex6 and ex7, the class) to write
     module: str        # where the reference lives
     title: str         # for the grade table
     ref_func: str = ""  # the reference's name, where it differs from func
@@ -50,6 +51,9 @@ PIECES = {p.name: p for p in (
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
           "rejection sampler"),
     Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
+    Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
+          "block allocator"),
+    Piece("scheduler", "ex7", "ex7_scheduler", "Scheduler", "minibatch.engine.scheduler", "scheduler step"),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
           "paged decode kernel"),
 )}
@@ -65,6 +69,10 @@ CALL_SITES = {
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
     "paged_decode": [("kernels.paged_decode", "paged_decode"), ("kernels", "paged_decode")],
+    # classes: the engine builds its allocator and its continuous scheduler from these names
+    "block_allocator": [("minibatch.kv.block_allocator", "BlockAllocator"), ("minibatch.engine.engine", "BlockAllocator"),
+                        ("minibatch.spec_decode.draft_model", "BlockAllocator")],
+    "scheduler": [("minibatch.engine.scheduler", "Scheduler"), ("minibatch.engine.engine", "Scheduler")],
 }
 
 
@@ -96,11 +104,20 @@ def _decode_first_in_engine(student_decode, attend):
     return triton_attend
 
 
+def static_over(scheduler_cls, old=None):
+    """Static batching over ``scheduler_cls`` (a student's ``Scheduler``): the engine's ``StaticScheduler`` runs
+    the same rules (``StaticBatching``) over the student's ``_schedule_running``."""
+    from minibatch.engine.static_scheduler import StaticBatching
+    return type("StaticScheduler", (StaticBatching, scheduler_cls),
+                {"__module__": scheduler_cls.__module__, "__doc__": StaticBatching.__doc__, "student": scheduler_cls})
+
+
 # Call sites that take an adapter of the student's function rather than the function itself:
 # piece -> [(module, attribute, make(student_fn, the attribute's current value) -> replacement)].
 ADAPTED_SITES = {
     "paged_decode": [("kernels", "paged_attention", _decode_first),                 # direct and debug calls
                      ("minibatch.kv.backends", "_triton_attend", _decode_first_in_engine)],   # the engine's
+    "scheduler": [("minibatch.engine.engine", "StaticScheduler", static_over)],      # scheduling="static"
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -160,7 +177,7 @@ def student(name: str):
         _LOADED[key] = mod
     fn = getattr(_LOADED[key], p.func, None)
     if not callable(fn):
-        raise AttributeError(f"{path} must define a function {p.func}()")
+        raise AttributeError(f"{path} must define {p.func}" + ("" if p.func[0].isupper() else "()"))
     return fn
 
 

@@ -12,6 +12,7 @@ Also here: the switch itself (exercises.get / selected / patch_engine).
 """
 import ast
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,10 @@ def unwritten(fn: ast.FunctionDef) -> bool:
 
 
 def untouched(p) -> bool:
-    """The shipped stub: a function of it is still unwritten (the piece's function itself, or for ex9 the
-    kernel it launches)."""
+    """The shipped stub: a function of it is still unwritten (the piece's function itself, for ex9 the kernel
+    it launches, for ex6 and ex7 a method of the class)."""
     tree = ast.parse((PKG / f"{p.stem}.py").read_text())
-    return any(isinstance(n, ast.FunctionDef) and unwritten(n) for n in tree.body)
+    return any(isinstance(n, ast.FunctionDef) and unwritten(n) for n in ast.walk(tree))
 
 
 def student_files(dest: Path, replace=None) -> Path:
@@ -67,9 +68,13 @@ def shim_files(dest: Path) -> Path:
     """Student files that hand every call to the reference (and count it): the reference, behind the switch."""
     dest.mkdir(parents=True)
     for p in exercises.PIECES.values():
-        (dest / f"{p.stem}.py").write_text(
-            f"import exercises\n\nCALLS = []\n\n\ndef {p.func}(*args, **kwargs):\n    CALLS.append(1)\n"
-            f"    return exercises.reference({p.name!r})(*args, **kwargs)\n")
+        if p.func[0].isupper():                     # a class (ex6, ex7): the reference's, counting instances
+            body = (f"class {p.func}(exercises.reference({p.name!r})):\n    def __init__(self, *args, **kwargs):\n"
+                    f"        CALLS.append(1)\n        super().__init__(*args, **kwargs)\n")
+        else:
+            body = (f"def {p.func}(*args, **kwargs):\n    CALLS.append(1)\n"
+                    f"    return exercises.reference({p.name!r})(*args, **kwargs)\n")
+        (dest / f"{p.stem}.py").write_text(f"import exercises\n\nCALLS = []\n\n\n{body}")
     return dest
 
 
@@ -123,7 +128,8 @@ def test_mutant_is_a_working_wrong_answer(mutant):
     path = PKG / "mutants" / f"{mutant}.py"
     p = mutant_piece(path)
     tree = ast.parse(path.read_text(), str(path))                       # a SyntaxError fails here
-    assert any(isinstance(n, ast.FunctionDef) and n.name == p.func for n in tree.body), f"no {p.func}() in {path}"
+    assert any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == p.func for n in tree.body), \
+        f"no {p.func} in {path}"
     doc = ast.get_docstring(tree) or ""
     assert doc.startswith(f"Mutant (exercise {p.part[2:]})"), f"{path.name}: docstring must name the bug: {doc!r}"
 
@@ -198,27 +204,37 @@ def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
+    import minibatch.engine.engine as engine
     import minibatch.engine.model_runner as model_runner
     import minibatch.engine.sampler as sampler
+    import minibatch.engine.scheduler as scheduler
     import minibatch.kv.attention as attention
     import minibatch.kv.backends as backends
+    import minibatch.kv.block_allocator as block_allocator
     import minibatch.kv.kv_cache as kv_cache
+    import minibatch.spec_decode.draft_model as draft_model
     import minibatch.spec_decode.ngram as ngram
     import minibatch.spec_decode.rejection_sampler as speculative
     sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (backends, "paged_attention_loop"),
              (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"),
-             (model_runner, "rejection_sample"), (ngram, "ngram_propose")]
+             (model_runner, "rejection_sample"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
+             (draft_model, "BlockAllocator"), (scheduler, "Scheduler"), (engine, "Scheduler"),
+             (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
+    static = engine.StaticScheduler
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
     with exercises.patch_engine("all") as patch:
         now = [getattr(m, a) for m, a in sites]
         assert all(n is not b and n.__module__.startswith("_minibatch_student_") for n, b in zip(now, before))
         assert exercises.reference("ngram") is before[-1]     # the reference stays reachable
+        # static batching runs over the student's scheduler: its rules, the student's _schedule_running
+        assert engine.StaticScheduler is not static and issubclass(engine.StaticScheduler, engine.Scheduler)
+        assert engine.StaticScheduler._fill is static._fill
         assert len(patch.changes) >= len(sites)
         # the engine's own entry points now reach the student's code: metadata -> slot mapping
         md = attention.AttentionMetadata.build([[5, 2], [7]], [3, 0], [3, 2], 4)
         assert md.slot_mapping.tolist() == [23, 8, 9, 28, 29]
-    assert [getattr(m, a) for m, a in sites] == before
+    assert [getattr(m, a) for m, a in sites] == before and engine.StaticScheduler is static
 
 
 def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path):
@@ -235,7 +251,8 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
     def generate():
         llm = LLM(model, block_size=4, attention_backend="loop",
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        static = LLM(model, block_size=4, scheduling="static", num_gpu_blocks=12)    # forks nothing: n = 1
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params) + static.generate(prompts, params)]
 
     want = generate()
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
@@ -245,7 +262,8 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
     for name in exercises.PIECES:
         if name == "paged_decode":                 # a Triton kernel: the "triton" backend's decode steps, below
             continue
-        assert exercises.student(name).__globals__["CALLS"], f"the engine never called the student's {name}"
+        calls = sys.modules[exercises.student(name).__module__].CALLS
+        assert calls, f"the engine never called the student's {name}"
 
 
 @pytest.mark.interpreter

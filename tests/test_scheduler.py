@@ -129,6 +129,22 @@ def test_static_batch_admits_nobody_until_done():
     assert out.num_padding_slots == 1 and [s.seq.seq_id for s in out.scheduled] == ["B"]
 
 
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_pending_forks_take_their_seats_before_they_fork(scheduling):
+    # P (n = 2) is admitted first; its child forks off only after the prompt. Q and R arrive with it: with
+    # max_num_seqs 3, only Q joins (P, P's child to come, Q). Counting P as one seat let R in too: 4 ran.
+    r = Harness(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=64, scheduling=scheduling)
+    p = make(3, 4, 0, "P")
+    p.num_forks_pending = 1
+    for s in (p, make(3, 4, 1, "Q"), make(3, 4, 2, "R")):
+        r.sched.add(s)
+    out = r.sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == ["P", "Q"]
+    sampled, forked = [[200] for _ in out.scheduled], [[300] * s.seq.num_forks_pending for s in out.scheduled]
+    r.sched.update_from_output(out, ModelRunnerOutput(sampled, [0] * len(sampled), forked))
+    assert [s.seq_id for s in r.sched.running] == ["P", "Q", "P.1"]
+
+
 def test_update_rolls_back_rejected_drafts():
     h = Harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
     seq = make(5, 10, 0, "A")

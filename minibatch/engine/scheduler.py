@@ -27,6 +27,10 @@ runner's sampled tokens and, per sequence, advances ``num_computed_tokens``,
 rolls back rejected drafts, forks n > 1 samples, appends the tokens, applies
 stop strings and ``max_tokens``, and frees the blocks of finished sequences.
 The static baseline (``static_scheduler.py``) changes only ``schedule()``.
+
+``SchedulerBase`` holds the queues, the moves between them and ``update_from_output``; ``Scheduler`` adds the
+choice of each step's batch (``_fill``, ``_schedule_running``, ``_admit``), which exercise 7 is to write
+(``exercises/ex7_scheduler.py``).
 """
 from __future__ import annotations
 
@@ -80,7 +84,11 @@ class SchedulerOutput:
         return len(self.padding)
 
 
-class Scheduler:
+class SchedulerBase:
+    """The queues, the helpers that move a sequence between them (``_start``, ``_preempt``, ``_unadmit``,
+    ``finish``), ``schedule()`` around the choice of the batch, and ``update_from_output``. ``Scheduler``
+    adds the choice itself, ``_fill`` (exercise 7 is to write it: ``exercises/ex7_scheduler.py``)."""
+
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", order: str = "decode-first"):
         if order not in ORDERS:
@@ -157,57 +165,15 @@ class Scheduler:
                 s.seq.request.metrics.first_scheduled_time = now
         return out
 
+    @staticmethod
+    def _seats(seqs) -> int:
+        """Seats (towards max_num_seqs) these sequences take: one each, and one per fork still to come (n > 1:
+        the children fork off once the prompt is computed)."""
+        return sum(1 + s.num_forks_pending for s in seqs)
+
     def _fill(self, out: SchedulerOutput) -> None:
-        """Choose the batch: who runs, with how many tokens (the static baseline overrides this)."""
-        budget = self.max_num_batched_tokens
-        if self.order == "prefill-first":
-            budget = self._admit(out, budget)
-            self._schedule_running(out, budget, skip=set(out.admitted))
-        else:
-            budget = self._schedule_running(out, budget, skip=set())
-            self._admit(out, budget)
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: set, preempt: bool = True) -> int:
-        queue = sorted((s for s in self.running if s not in skip), key=self.waiting.key)
-        i = 0
-        while i < len(queue) and budget > 0:
-            seq = queue[i]
-            if seq.num_uncomputed_tokens == 1:                # decode: the last token (+ drafts to verify)
-                spec = seq.spec_token_ids[: budget - 1]
-                try:
-                    out.cow_copies += self.allocator.append_slots(seq.seq_id, 1 + len(spec))
-                except NoFreeBlocksError:
-                    if not preempt:
-                        raise
-                    # the least important among those not yet scheduled and (prefill-first) those admitted
-                    # this step: a newcomer must not push out a more important sequence already running
-                    victim = max(queue[i:] + out.admitted, key=self.waiting.key)
-                    if victim in out.admitted:
-                        budget += self._unadmit(victim, out)
-                    else:
-                        queue.remove(victim)
-                        self._preempt(victim, out)
-                    continue                                  # retry seq (unless it was the victim)
-                n = 1 + len(spec)
-            else:                                             # prefill chunk: blocks were allocated at admission
-                spec, n = [], min(seq.num_uncomputed_tokens, budget)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase, spec_token_ids=spec))
-            budget -= n
-            i += 1
-        return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        while len(self.waiting) and budget > 0:
-            seq = self.waiting.peek()
-            if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1 takes n seats
-                break
-            if not self.allocator.can_allocate(seq.token_ids):
-                break                                         # head of line waits: no starvation under FCFS
-            self._start(seq, out)
-            n = min(seq.num_uncomputed_tokens, budget)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase))
-            budget -= n
-        return budget
+        """Choose this step's batch into ``out`` (``Scheduler`` and ``StaticScheduler`` each say how)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _fill(out)")
 
     def _start(self, seq: Sequence, out: SchedulerOutput) -> None:
         cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
@@ -274,3 +240,66 @@ class Scheduler:
 
     def _on_fork(self, child: Sequence) -> None:
         self.running.append(child)
+
+
+class Scheduler(SchedulerBase):
+    """Continuous batching: the running sequences decode (or go on prefilling) and the waiting are admitted,
+    every step, within the token budget and ``max_num_seqs``; preemption when the cache is full."""
+
+    def _fill(self, out: SchedulerOutput) -> None:
+        """Choose the batch: who runs, with how many tokens (the static baseline overrides this)."""
+        budget = self.max_num_batched_tokens
+        if self.order == "prefill-first":
+            budget = self._admit(out, budget)
+            self._schedule_running(out, budget, skip=set(out.admitted))
+        else:
+            budget = self._schedule_running(out, budget, skip=set())
+            self._admit(out, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip: set, preempt: bool = True) -> int:
+        """Schedule the running sequences (but those in ``skip``), most important first, while budget is left:
+        a decode gets 1 + its drafts (cut to the budget) and new slots, a prefill its next chunk. With no
+        block free, preempt the least important (or, when ``preempt`` is False, let the error out).
+        Returns the budget left."""
+        queue = sorted((s for s in self.running if s not in skip), key=self.waiting.key)
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            if seq.num_uncomputed_tokens == 1:                # decode: the last token (+ drafts to verify)
+                spec = seq.spec_token_ids[: budget - 1]
+                try:
+                    out.cow_copies += self.allocator.append_slots(seq.seq_id, 1 + len(spec))
+                except NoFreeBlocksError:
+                    if not preempt:
+                        raise
+                    # the least important among those not yet scheduled and (prefill-first) those admitted
+                    # this step: a newcomer must not push out a more important sequence already running
+                    victim = max(queue[i:] + out.admitted, key=self.waiting.key)
+                    if victim in out.admitted:
+                        budget += self._unadmit(victim, out)
+                    else:
+                        queue.remove(victim)
+                        self._preempt(victim, out)
+                    continue                                  # retry seq (unless it was the victim)
+                n = 1 + len(spec)
+            else:                                             # prefill chunk: blocks were allocated at admission
+                spec, n = [], min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase, spec_token_ids=spec))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in queue order while budget, seats and blocks allow; each gets its first
+        chunk. Returns the budget left."""
+        while len(self.waiting) and budget > 0:
+            seq = self.waiting.peek()
+            if self._seats(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1: n seats
+                break
+            if not self.allocator.can_allocate(seq.token_ids):
+                break                                         # head of line waits: no starvation under FCFS
+            self._start(seq, out)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase))
+            budget -= n
+        return budget

@@ -18,7 +18,11 @@ from minibatch.engine.scheduler import Scheduler, SchedulerOutput
 from minibatch.engine.sequence import Sequence
 
 
-class StaticScheduler(Scheduler):
+class StaticBatching:
+    """What static batching changes in a scheduler: how the batch is formed (``_fill``) and who joins it.
+    A mixin over a scheduler class that has ``_schedule_running`` (``Scheduler``), so the same rules also run
+    over a student's scheduler (exercise 7)."""
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.batch: list[Sequence] = []        # the batch being run, finished members included (with their blocks)
@@ -43,7 +47,8 @@ class StaticScheduler(Scheduler):
             self.batch, reserved = [], 0
             for seq in self.waiting:                     # queue order
                 need, seats = self.reservation(seq), 1 + seq.num_forks_pending
-                if reserved + need > self.allocator.num_free_blocks or len(self.batch) + seats > self.max_num_seqs:
+                if reserved + need > self.allocator.num_free_blocks or \
+                        self._seats(self.batch) + seats > self.max_num_seqs:
                     break
                 reserved += need
                 self._start(seq, out)
@@ -67,3 +72,7 @@ class StaticScheduler(Scheduler):
     def _on_fork(self, child: Sequence) -> None:
         super()._on_fork(child)
         self.batch.append(child)
+
+
+class StaticScheduler(StaticBatching, Scheduler):
+    """Static batching over the continuous scheduler's ``_schedule_running`` (with preemption off)."""

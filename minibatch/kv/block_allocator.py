@@ -26,6 +26,11 @@ A hit on a cached-free block takes it out of the queue (ref count 0 -> 1). Never
 start in the queue in id order, so a fresh pool hands out 0, 1, 2, ...
 
 Every failed call raises before changing anything.
+
+The code is in two classes: ``BlockAllocatorBase`` holds the pool's state and what only reads it (and
+``truncate``, ``can_allocate``, the invariant checker); ``BlockAllocator`` adds the policy: the free queue,
+allocation, copy-on-write, the prefix cache, fork and free. Exercise 6 is to write that second class
+(``exercises/ex6_block_allocator.py``).
 """
 from __future__ import annotations
 
@@ -88,7 +93,17 @@ def _as_count(n, what: str) -> int:
     return int(n)
 
 
-class BlockAllocator:
+class BlockAllocatorBase:
+    """The pool's state and everything that only reads it or follows from the policy below: construction,
+    the readings, ``can_allocate``, ``truncate``, the invariant checker. ``BlockAllocator`` adds the policy
+    itself (exercise 6 is to write it: ``exercises/ex6_block_allocator.py``).
+
+    State: ``_ref[b]`` the ref count of block b; ``_free`` the free queue (an OrderedDict used as an ordered
+    set, front = taken next); ``_seqs[seq_id]`` a ``_Seq``; ``_cache`` block hash -> block id and
+    ``_entries`` block id -> ``CacheEntry`` (the prefix cache; a block keeps its entry while free, until it is
+    taken again); ``_next_serial`` the next entry's serial; ``hits`` / ``queries`` counters of ``allocate``.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         num_blocks, block_size = _as_count(num_blocks, "num_blocks"), _as_count(block_size, "block_size")
         if num_blocks < 1:
@@ -160,23 +175,9 @@ class BlockAllocator:
                 "hits": self.hits, "queries": self.queries}
 
     # -- the prefix cache ---------------------------------------------------------
-    def _lookup(self, tokens: list) -> list:
-        """[(block, hash, serial)] of the longest verified cached prefix, leaving the last token out."""
-        if not self.enable_prefix_caching:
-            return []
-        bs, found, parent_hash, parent_serial = self.block_size, [], None, None
-        for i in range((len(tokens) - 1) // bs):          # cap: the last token is always computed
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block_tokens(parent_hash, chunk)
-            e = self._entries.get(self._cache.get(h))
-            if e is None or e.tokens != chunk or e.parent_serial != parent_serial:
-                break                                       # a miss (or a hash collision: still a miss)
-            found.append((self._cache[h], h, e.serial))
-            parent_hash, parent_serial = h, e.serial
-        return found
-
     def num_cached_prefix_tokens(self, token_ids) -> int:
-        return len(self._lookup(_as_tokens(token_ids, "token_ids"))) * self.block_size
+        tokens = _as_tokens(token_ids, "token_ids")
+        return len(self._lookup(tokens)) * self.block_size if self.enable_prefix_caching else 0
 
     def _evict(self, block: int) -> None:
         e = self._entries.pop(block, None)
@@ -191,6 +192,62 @@ class BlockAllocator:
             s.chain = []
 
     # -- taking and returning blocks ------------------------------------------------
+    def _check_new_id(self, seq_id) -> None:
+        if seq_id in self._seqs:                            # (an unhashable id raises TypeError here)
+            raise ValueError(f"sequence {seq_id!r} already exists")
+
+    def _plan(self, token_ids):
+        """(tokens, prefix hits, fresh blocks needed, free blocks left for them) of a new sequence."""
+        tokens = _as_tokens(token_ids, "token_ids")
+        if not tokens:
+            raise ValueError("token_ids is empty: a sequence needs at least one token")
+        hits = self._lookup(tokens) if self.enable_prefix_caching else []
+        free = len(self._free) - sum(self._ref[b] == 0 for b, _, _ in hits)   # free hits leave the queue
+        return tokens, hits, self.blocks_needed(len(tokens)) - len(hits), free
+
+    def can_allocate(self, token_ids) -> bool:
+        _, _, fresh, free = self._plan(token_ids)
+        return fresh <= free
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (rejected speculative tokens go); release spare blocks."""
+        s = self._get(seq_id)
+        n = _as_count(num_tokens, "num_tokens")
+        if not 0 <= n <= s.num_slots:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of {s.num_slots} slots to {n}")
+        keep = self.blocks_needed(n)
+        self._release(s.blocks[keep:])
+        del s.blocks[keep:], s.chain[n // self.block_size:]
+        s.num_slots = n
+
+    # -- invariants -------------------------------------------------------------------
+    def check_invariants(self, live_seq_ids=None) -> None:
+        bs, counts = self.block_size, [0] * self.num_blocks
+        if live_seq_ids is not None:
+            assert set(live_seq_ids) == set(self._seqs), \
+                f"live sequences {sorted(map(str, live_seq_ids))} != allocated {sorted(map(str, self._seqs))}"
+        for sid, s in self._seqs.items():
+            assert len(s.blocks) == self.blocks_needed(s.num_slots), \
+                f"{sid!r}: {len(s.blocks)} blocks for {s.num_slots} slots"
+            assert len(set(s.blocks)) == len(s.blocks), f"{sid!r}: a block twice in one table {s.blocks}"
+            assert len(s.chain) * bs <= s.num_slots, f"{sid!r}: more cached blocks than full blocks"
+            for i, b in enumerate(s.blocks):
+                counts[b] += 1
+                e = self._entries.get(b)
+                assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
+        assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
+        free = [b for b in range(self.num_blocks) if counts[b] == 0]
+        assert sorted(self._free) == free, f"free queue {list(self._free)} != blocks with ref 0 {free}"
+        assert len(self._cache) == len(self._entries), "cache maps disagree"
+        for h, b in self._cache.items():
+            e = self._entries.get(b)
+            assert e is not None and e.block_hash == h and len(e.tokens) == bs, f"cache entry of block {b} broken"
+
+
+class BlockAllocator(BlockAllocatorBase):
+    """The policy: which block is taken and when one comes back, ref counts, the prefix cache, copy-on-write."""
+
+    # -- the free queue -----------------------------------------------------------------
     def _take_fresh(self) -> int:
         block, _ = self._free.popitem(last=False)           # the least recently freed block
         self._evict(block)                                  # its old cache entry (if any) dies here
@@ -203,23 +260,22 @@ class BlockAllocator:
             if self._ref[b] == 0:
                 self._free[b] = None                        # to the back of the queue
 
-    def _check_new_id(self, seq_id) -> None:
-        if seq_id in self._seqs:                            # (an unhashable id raises TypeError here)
-            raise ValueError(f"sequence {seq_id!r} already exists")
+    # -- the prefix cache -----------------------------------------------------------------
+    def _lookup(self, tokens: list) -> list:
+        """[(block, hash, serial)] of the longest verified cached prefix, leaving the last token out.
+        (Called only with prefix caching on.)"""
+        bs, found, parent_hash, parent_serial = self.block_size, [], None, None
+        for i in range((len(tokens) - 1) // bs):          # cap: the last token is always computed
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(parent_hash, chunk)
+            e = self._entries.get(self._cache.get(h))
+            if e is None or e.tokens != chunk or e.parent_serial != parent_serial:
+                break                                       # a miss (or a hash collision: still a miss)
+            found.append((self._cache[h], h, e.serial))
+            parent_hash, parent_serial = h, e.serial
+        return found
 
-    def _plan(self, token_ids):
-        """(tokens, prefix hits, fresh blocks needed, free blocks left for them) of a new sequence."""
-        tokens = _as_tokens(token_ids, "token_ids")
-        if not tokens:
-            raise ValueError("token_ids is empty: a sequence needs at least one token")
-        hits = self._lookup(tokens)
-        free = len(self._free) - sum(self._ref[b] == 0 for b, _, _ in hits)   # free hits leave the queue
-        return tokens, hits, self.blocks_needed(len(tokens)) - len(hits), free
-
-    def can_allocate(self, token_ids) -> bool:
-        _, _, fresh, free = self._plan(token_ids)
-        return fresh <= free
-
+    # -- sequences ------------------------------------------------------------------------
     def allocate(self, seq_id, token_ids) -> int:
         """A new sequence holding ``token_ids``; returns how many leading tokens the cache already holds."""
         self._check_new_id(seq_id)
@@ -268,17 +324,6 @@ class BlockAllocator:
         s.num_slots += new
         return pairs
 
-    def truncate(self, seq_id, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens (rejected speculative tokens go); release spare blocks."""
-        s = self._get(seq_id)
-        n = _as_count(num_tokens, "num_tokens")
-        if not 0 <= n <= s.num_slots:
-            raise ValueError(f"cannot truncate sequence {seq_id!r} of {s.num_slots} slots to {n}")
-        keep = self.blocks_needed(n)
-        self._release(s.blocks[keep:])
-        del s.blocks[keep:], s.chain[n // self.block_size:]
-        s.num_slots = n
-
     def mark_computed(self, seq_id, num_computed_tokens: int, token_ids) -> None:
         """The K/V of the first ``num_computed_tokens`` of ``token_ids`` (the sequence's tokens) is written:
         register its full blocks in the prefix cache. Only computed blocks are ever shared."""
@@ -309,11 +354,6 @@ class BlockAllocator:
                 self._entries[block], self._cache[h] = e, block
             s.chain.append((h, e.serial))
 
-    def free(self, seq_id) -> None:
-        """Return the sequence's blocks; those whose ref count reaches 0 join the free queue."""
-        self._release(self._get(seq_id).blocks)
-        del self._seqs[seq_id]
-
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (ref counts up); writes will copy-on-write."""
         p = self._get(parent_id)
@@ -322,25 +362,7 @@ class BlockAllocator:
             self._ref[b] += 1
         self._seqs[child_id] = _Seq(list(p.blocks), p.num_slots, list(p.chain))
 
-    # -- invariants -------------------------------------------------------------------
-    def check_invariants(self, live_seq_ids=None) -> None:
-        bs, counts = self.block_size, [0] * self.num_blocks
-        if live_seq_ids is not None:
-            assert set(live_seq_ids) == set(self._seqs), \
-                f"live sequences {sorted(map(str, live_seq_ids))} != allocated {sorted(map(str, self._seqs))}"
-        for sid, s in self._seqs.items():
-            assert len(s.blocks) == self.blocks_needed(s.num_slots), \
-                f"{sid!r}: {len(s.blocks)} blocks for {s.num_slots} slots"
-            assert len(set(s.blocks)) == len(s.blocks), f"{sid!r}: a block twice in one table {s.blocks}"
-            assert len(s.chain) * bs <= s.num_slots, f"{sid!r}: more cached blocks than full blocks"
-            for i, b in enumerate(s.blocks):
-                counts[b] += 1
-                e = self._entries.get(b)
-                assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
-        assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
-        free = [b for b in range(self.num_blocks) if counts[b] == 0]
-        assert sorted(self._free) == free, f"free queue {list(self._free)} != blocks with ref 0 {free}"
-        assert len(self._cache) == len(self._entries), "cache maps disagree"
-        for h, b in self._cache.items():
-            e = self._entries.get(b)
-            assert e is not None and e.block_hash == h and len(e.tokens) == bs, f"cache entry of block {b} broken"
+    def free(self, seq_id) -> None:
+        """Return the sequence's blocks; those whose ref count reaches 0 join the free queue."""
+        self._release(self._get(seq_id).blocks)
+        del self._seqs[seq_id]

@@ -71,8 +71,6 @@ def check(specs, bs, H, Hkv, D=8, scale=None, atol=2e-5, rtol=1e-4, **kw):
                                    "(0 x NaN is NaN), or exp() overflowed (subtract the row's max first)")
     want = dense_oracle(query, ks, vs, specs, scale).to(got.dtype)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"vs dense attention: {m}")
-    ref = exercises.reference("paged_attention")(*inputs, scale)
-    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol, msg=lambda m: f"vs the reference: {m}")
 
 
 def test_decode_one_sequence():

@@ -2,7 +2,7 @@
 
 Hand-worked rows probe the edges (ties at the k-th logit, the token that crosses
 the nucleus boundary, ties with it, top-p on the distribution top-k left);
-random rows are checked against a plain-Python oracle and the reference, with
+random rows are checked against a plain-Python oracle, with
 top_p placed halfway between two cumulative masses so rounding cannot matter.
 """
 import math
@@ -23,8 +23,7 @@ def run(logits, top_k, top_p):
     got = exercises.get("top_k_top_p")(logits, top_k, top_p)
     assert isinstance(got, torch.Tensor) and got.shape == logits.shape, "must return logits of the same shape [V]"
     assert torch.equal(logits, before), "the caller's logits changed: filter a copy (masked_fill), not in place"
-    ref = exercises.reference("top_k_top_p")(before.clone(), top_k, top_p)
-    return before, got, ref
+    return before, got
 
 
 def kept_set(x):
@@ -33,11 +32,10 @@ def kept_set(x):
 
 def check_keeps(logits, top_k, top_p, want):
     """Exactly the tokens in ``want`` survive, with their logits unchanged; the rest are -inf."""
-    before, got, ref = run(logits, top_k, top_p)
+    before, got = run(logits, top_k, top_p)
     assert kept_set(got) == set(want), f"top_k={top_k} top_p={top_p}: kept {sorted(kept_set(got))}, want {sorted(want)}"
     idx = torch.tensor(sorted(want))
     assert torch.equal(got[idx], before[idx]), "kept logits must keep their values"
-    assert kept_set(ref) == set(want)
 
 
 def logits_of(probs):
@@ -58,7 +56,7 @@ def test_switched_off_is_the_identity():
     # the running mass reaches 1.0 before them: top_p = 1 must keep them all the same
     for row in ([0.3, -2.0, 1.1, 0.0, -0.7, -3.0], [20.0, 0.0, -150.0, 1.0, -1.0, 2.0]):
         for top_k, top_p in ((-1, 1.0), (0, 1.0), (6, 1.0), (9, 1.0)):
-            before, got, _ = run(row, top_k, top_p)
+            before, got = run(row, top_k, top_p)
             assert torch.equal(got, before), f"{row}: top_k={top_k}, top_p={top_p} must change nothing"
 
 
@@ -143,11 +141,10 @@ def test_random_rows_match_the_oracle(seed):
         cum = surv.cumsum(0).tolist()
         i = rng.randrange(0, max(1, int((surv > 1e-3).sum()) - 1))
         top_p = min(0.999, (cum[i] + (cum[i - 1] if i else 0.0)) / 2)
-        before, got, ref = run(logits, top_k, top_p)
+        before, got = run(logits, top_k, top_p)
         want = torch.tensor(oracle(before.tolist(), top_k, top_p))
         assert torch.equal(got, want), f"V={V} top_k={top_k} top_p={top_p:.4f}: kept {sorted(kept_set(got))}, " \
                                        f"want {sorted(kept_set(want))}"
-        assert torch.equal(ref, want)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -163,8 +160,7 @@ def test_random_rows_with_tied_logits_match_the_oracle(seed):
         cum = surv.cumsum(0).tolist()
         i = rng.randrange(0, max(1, int((surv > 0).sum()) - 1))
         top_p = rng.choice([1.0, min(0.999, (cum[i] + (cum[i - 1] if i else 0.0)) / 2)])
-        before, got, ref = run(logits, top_k, top_p)
+        before, got = run(logits, top_k, top_p)
         want = torch.tensor(oracle(before.tolist(), top_k, top_p))
         assert torch.equal(got, want), f"logits {before.tolist()} top_k={top_k} top_p={top_p:.4f}: " \
                                        f"kept {sorted(kept_set(got))}, want {sorted(kept_set(want))}"
-        assert torch.equal(ref, want)

@@ -4,7 +4,7 @@ Hand-worked token lists probe the rules one at a time (the most recent match,
 longer n-grams first, the trailing n-gram not matching itself, an overlapping
 earlier match, the context running out); random repetitive lists are checked
 against an oracle written the other way round (collect every match, then pick
-the longest and latest) and against the reference.
+the longest and latest).
 """
 import random
 
@@ -20,7 +20,6 @@ def propose(tokens, k, n_max=3, n_min=1):
     got = exercises.get("ngram")(arg, k, n_max, n_min)
     assert arg == list(tokens), "the caller's token list changed: it is the sequence itself, read it only"
     assert isinstance(got, list) and all(isinstance(t, int) for t in got), f"must return a list of ints, got {got!r}"
-    assert got == exercises.reference("ngram")(list(tokens), k, n_max, n_min)
     return got
 
 

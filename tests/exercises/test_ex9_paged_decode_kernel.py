@@ -7,7 +7,6 @@ interleaved per block (so the layer views are strided). Every cache slot no
 sequence owns is NaN, and so is the block every padding entry of the block
 tables points at: a kernel that loads one (even with weight 0) shows NaN.
 Lengths are not multiples of the block size; head layouts MHA, GQA and MQA.
-Every result is also compared with the reference kernel (kernels/paged_decode.py).
 
 Without a GPU the kernels run in Triton's CPU interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before any kernel is decorated), so the shapes stay small;
@@ -90,9 +89,6 @@ def check(batch, scale, tol=1e-4):
     want = dense(batch, scale)
     torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol,
                                msg=lambda m: f"vs dense attention on the contiguous K/V: {m}")
-    ref = exercises.reference("paged_decode")(*args, scale)
-    torch.testing.assert_close(got.cpu().double(), ref.cpu().double(), atol=tol, rtol=tol,
-                               msg=lambda m: f"vs the reference kernel: {m}")
 
 
 def test_one_sequence_part_full_block():
