@@ -67,6 +67,7 @@ class StepTrace:
     prefix_cache_queries: int = 0   # cumulative full blocks looked up
     speculative_method: Optional[str] = None   # the proposer ("draft", "ngram", ...), None without speculation
     num_speculative_tokens: int = 0            # its k
+    propose_duration: float = 0.0              # seconds of ``duration`` the proposer took (drafting for the next step)
     note: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -104,7 +105,7 @@ class TraceRecorder:
         return cls([StepTrace.from_dict(t) for t in data["traces"]], data.get("meta"))
 
 
-def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
+def make_trace(engine, out, runner_output, t_start: float, propose_duration: float = 0.0) -> StepTrace:
     """The trace of the step just taken, from the scheduler's output, the runner's and the state after."""
     a, sched = engine.allocator, engine.scheduler
     steps = []
@@ -127,4 +128,5 @@ def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
         num_batched_tokens=out.num_batched_tokens, token_budget=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
-        speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0))
+        speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+        propose_duration=propose_duration)

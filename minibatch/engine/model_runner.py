@@ -92,6 +92,17 @@ class ModelRunner:
                                 [scheduled[b].seq.generator for b in plain])
             for b, t in zip(plain, toks):
                 sampled[b] = [t]
+        # greedy rows verify by argmax alone (what the rejection sampler does for them, without building
+        # their one-hot p and q): accept drafts while each is the target's argmax, then the argmax after them
+        fast = [b for b in verify if scheduled[b].seq.params.greedy]
+        if fast:
+            best = logits[[r for b in fast for r in rows[b]]].argmax(-1).tolist()
+            for b in fast:
+                drafts, top = scheduled[b].spec_token_ids, best[:len(rows[b])]
+                del best[:len(rows[b])]
+                n = next((i for i, (d, t) in enumerate(zip(drafts, top)) if d != t), len(drafts))
+                sampled[b], accepted[b] = drafts[:n] + [top[n]], n
+        verify = [b for b in verify if b not in fast]
         if verify:
             for b, toks, n in zip(verify, *self._verify([scheduled[b] for b in verify], logits,
                                                         [rows[b] for b in verify])):

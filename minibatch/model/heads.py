@@ -1,0 +1,90 @@
+"""Speculative heads: small modules on top of the frozen target that guess its next tokens.
+
+A draft model is a second network with its own weights, cache and prefill. These heads are the
+other road (Cai et al. 2024; Li et al. 2024; Elhoushi et al. 2024): keep *one* model and add a
+little to it, reading what the target computes anyway.
+
+* ``MedusaHeads`` (Medusa-1, Cai et al. 2024, §2.1.1): K heads on the target's last hidden state
+  (after ``ln_f``). Head i is a residual block ``h + SiLU(W_i h + b_i)`` (W_i, b_i zero-initialised,
+  so it starts as the identity) and its own vocabulary projection (initialised from the tied LM
+  head); it predicts the token at t + 2 + i from h_t, where the target's own head predicts t + 1.
+  Trained with the backbone frozen, loss sum_i 0.8^i CE_i (§2.1.1's lambda_k).
+
+Shapes: N = rows, C = n_embd, V = vocab_size, K = heads.
+Each module knows its ``config()`` (stored in the checkpoint's ``.json``) and is rebuilt from it by
+``load_head``, which verifies the SHA-256 first and unpickles nothing (``weights.load_tensors``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minibatch.model.weights import check_dtype, load_tensors, resolve_device
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, num_heads: int = 4):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.n_embd, self.vocab_size, self.num_heads = n_embd, vocab_size, num_heads
+        self.res = nn.ModuleList(nn.Linear(n_embd, n_embd) for _ in range(num_heads))
+        self.lm_head = nn.ModuleList(nn.Linear(n_embd, vocab_size, bias=False) for _ in range(num_heads))
+        for lin in self.res:                                   # identity at the start: h + SiLU(0) = h
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    @classmethod
+    def from_target(cls, target, num_heads: int = 4) -> "MedusaHeads":
+        """Fresh heads whose projections start as the target's tied LM head (so head i starts by guessing
+        t + 1 again, a far better start than random)."""
+        cfg = target.config
+        heads = cls(cfg.n_embd, cfg.vocab_size, num_heads)
+        for lin in heads.lm_head:
+            lin.weight.data.copy_(target.wte.weight.detach().float())
+        return heads.to(target.device)
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size,
+                "num_heads": self.num_heads}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h[N, C] (the target's ln_f output) -> logits[N, K, V]; head i guesses token t + 2 + i."""
+        return torch.stack([head(h + F.silu(res(h))) for res, head in zip(self.res, self.lm_head)], dim=1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+KINDS = {"medusa": MedusaHeads}
+
+
+def build_head(config: dict) -> nn.Module:
+    config = dict(config)
+    kind = config.pop("kind", None)
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
+    return KINDS[kind](**config)
+
+
+def load_head(preset: str, target=None, device=None, dtype=torch.float32, directory=None):
+    """The shipped head ``preset`` ("medusa", ...), checksum verified, in eval mode, on the target's device
+    and dtype when a target is given. A head trained for another width or vocabulary is a clear error."""
+    kw = {} if directory is None else {"directory": directory}
+    tensors, manifest = load_tensors(preset, **kw)
+    head = build_head(manifest["config"])
+    if head.kind != preset:
+        raise ValueError(f"{preset}.json describes a {head.kind!r} head, not a {preset!r} one")
+    head.load_state_dict(tensors)
+    if target is not None:
+        cfg = target.config
+        if (head.n_embd, head.vocab_size) != (cfg.n_embd, cfg.vocab_size):
+            raise ValueError(f"the {preset} head reads width {head.n_embd} and vocabulary {head.vocab_size}; the "
+                             f"target has {cfg.n_embd} and {cfg.vocab_size}: it was trained for another model")
+        device, dtype = target.device, target.dtype
+    check_dtype(dtype)
+    head.manifest = manifest
+    return head.to(device=resolve_device(device), dtype=dtype).eval()
