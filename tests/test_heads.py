@@ -81,11 +81,28 @@ def test_medusa_heads_guess_held_out_code(target_model):
     assert shipped["head0_top1_t+2"] > 0.45 and shipped["head0_top5_t+2"] > shipped["head0_top1_t+2"]
 
 
+@pytest.mark.skipif("early_exit" not in SHIPPED, reason="no shipped early-exit adapter")
+def test_early_exit_agrees_with_the_target(target_model):
+    """The target's first E blocks + the adapter + ln_f + head pick the target's own argmax far more often than
+    the plain exit (the same E blocks straight into ln_f and the head), on held-out code."""
+    val = load_corpus("val")
+    x = torch.tensor(val[9000:9000 + 2048].astype(np.int64))
+    ad = load_head("early_exit", target_model)
+    E = ad.exit_layer
+    logits, hs = target_model(x, torch.arange(512).repeat(4), _dense(4, 512), hidden_states=(E,))
+    best = logits.argmax(-1)
+    adapted = (ad.logits(target_model, hs[E]).argmax(-1) == best).float().mean().item()
+    plain = ((target_model.ln_f(hs[E]) @ target_model.wte.weight.t()).argmax(-1) == best).float().mean().item()
+    assert adapted > 0.8 and adapted > plain + 0.05, (adapted, plain)
+    assert read_manifest("early_exit")["final"]["adapter_greedy_agreement"] > 0.85
+
+
 def _dense(batch, seq):
     return DenseAttention([seq] * batch)
 
 
-@pytest.mark.parametrize("preset,extra", [("medusa", ["--num-heads", "2"]), ("medusa", ["--distill"])])
+@pytest.mark.parametrize("preset,extra", [("medusa", ["--num-heads", "2"]), ("medusa", ["--distill"]),
+                                          ("early_exit", ["--exit-layer", "2"])])
 def test_training_smoke(tmp_path, preset, extra):
     """A few steps of each preset, end to end: precompute, train, evaluate, save; the file loads back."""
     from minibatch.model import train

@@ -20,7 +20,7 @@ from minibatch.spec_decode import rejection_sampler
 from minibatch.trace import TraceRecorder
 from test_engine import MAX_TOKENS, PROMPTS
 
-METHODS = [m for m in ("medusa",) if (WEIGHTS_DIR / f"{m}.safetensors").exists()]
+METHODS = [m for m in ("medusa", "early_exit") if (WEIGHTS_DIR / f"{m}.safetensors").exists()]
 GREEDY = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
 CASES = {   # name: (k, engine config)
     "k1": (1, {}),

@@ -9,6 +9,8 @@ little to it, reading what the target computes anyway.
   so it starts as the identity) and its own vocabulary projection (initialised from the tied LM
   head); it predicts the token at t + 2 + i from h_t, where the target's own head predicts t + 1.
   Trained with the backbone frozen, loss sum_i 0.8^i CE_i (§2.1.1's lambda_k).
+* ``ExitAdapter`` (early exit, LayerSkip / Kangaroo): a residual MLP on the target's state after E
+  blocks, so that the target's own first E layers + ln_f + head draft.
 
 Shapes: N = rows, C = n_embd, V = vocab_size, K = heads.
 Each module knows its ``config()`` (stored in the checkpoint's ``.json``) and is rebuilt from it by
@@ -59,7 +61,44 @@ class MedusaHeads(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-KINDS = {"medusa": MedusaHeads}
+class ExitAdapter(nn.Module):
+    """Early exit (LayerSkip, Elhoushi et al. 2024 §3; Kangaroo, Liu et al. 2024 §3.1): the target's first E
+    blocks draft, through this light adapter, then the target's own ln_f and tied head.
+
+    ``x_E + W2 GELU(W1 LN(x_E))`` on the residual stream after E blocks (W2 zero-initialised: it starts
+    as the plain early exit). It stands in for what blocks E .. L-1 would add. It has no attention of its
+    own, so it needs no K/V: the drafter's only K/V are those of the target's first E layers, which are the
+    target's own. Trained against the full target's distribution (soft cross-entropy), the target frozen."""
+    kind = "early_exit"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, exit_layer: int = 1, hidden: int = 256):
+        super().__init__()
+        if not isinstance(exit_layer, int) or exit_layer < 1:
+            raise ValueError(f"exit_layer must be an int >= 1, got {exit_layer!r}")
+        self.n_embd, self.vocab_size, self.exit_layer, self.hidden = n_embd, vocab_size, exit_layer, hidden
+        self.ln = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, hidden)
+        self.proj = nn.Linear(hidden, n_embd)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size,
+                "exit_layer": self.exit_layer, "hidden": self.hidden}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x[N, C], the residual stream after ``exit_layer`` blocks -> [N, C], a guess at the last block's."""
+        return x + self.proj(F.gelu(self.fc(self.ln(x)), approximate="tanh"))
+
+    def logits(self, target, x: torch.Tensor) -> torch.Tensor:
+        """[N, V]: the adapted state through the target's ln_f and tied LM head."""
+        return target.ln_f(self(x)) @ target.wte.weight.t()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter}
 
 
 def build_head(config: dict) -> nn.Module:
@@ -84,6 +123,9 @@ def load_head(preset: str, target=None, device=None, dtype=torch.float32, direct
         if (head.n_embd, head.vocab_size) != (cfg.n_embd, cfg.vocab_size):
             raise ValueError(f"the {preset} head reads width {head.n_embd} and vocabulary {head.vocab_size}; the "
                              f"target has {cfg.n_embd} and {cfg.vocab_size}: it was trained for another model")
+        if getattr(head, "exit_layer", 0) >= cfg.n_layer:
+            raise ValueError(f"the early-exit adapter exits after {head.exit_layer} blocks; the target has only "
+                             f"{cfg.n_layer}")
         device, dtype = target.device, target.dtype
     check_dtype(dtype)
     head.manifest = manifest

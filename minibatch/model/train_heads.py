@@ -9,6 +9,9 @@ frozen, so the heads train on one GPU in hours; here on one CPU core in minutes)
 * ``medusa``: head i learns the token at t + 2 + i from h_t (the target's ln_f output), loss
   sum_i 0.8^i CE_i on the corpus's own bytes. Reported: each head's top-1 and top-5 accuracy on
   held-out code (and the target's own head's, for t + 1, beside them).
+* ``early_exit``: an adapter on the residual stream after E = ``--exit-layer`` blocks learns the full
+  target's next-byte distribution (soft cross-entropy; LayerSkip §3, Kangaroo §3.1). Reported: greedy
+  agreement with the target and sum_x min(p, q), with the adapter and without it (the plain exit).
 
 Reproducible: every random choice comes from ``--seed``; the ``.json`` written beside the weights
 records the recipe, the target it was trained on (its SHA-256), the curve and the held-out figures.
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from minibatch.model.data import load_corpus
-from minibatch.model.heads import MedusaHeads
+from minibatch.model.heads import ExitAdapter, MedusaHeads
 from minibatch.model.train import batched_causal_attention, sample_windows
 from minibatch.model.weights import HEAD_PRESETS, WEIGHTS_DIR, load_model, read_manifest, save_tensors
 
@@ -97,6 +100,37 @@ def medusa_batch(toks, hidden, K, batch, rng):
     return (torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S - K - 1, batch)))
 
 
+# -- early exit -----------------------------------------------------------------------------------------------------
+
+def exit_loss(adapter, target, toks, hidden, w, t):
+    """Soft cross-entropy of the early exit (first E blocks + adapter + ln_f + head) against the full target."""
+    with torch.no_grad():
+        p = (hidden["final"][w, t].float() @ target.wte.weight.t()).softmax(-1)      # the target's p [B, V]
+    logq = adapter.logits(target, hidden[adapter.exit_layer][w, t].float()).log_softmax(-1)
+    return -(p * logq).sum(-1).mean()
+
+
+@torch.no_grad()
+def exit_eval(adapter, target, toks, hidden) -> dict:
+    """Held-out: how often the early exit's argmax is the target's (greedy acceptance), and sum_x min(p, q)
+    (the acceptance rate of one sampled draft at temperature 1, Leviathan et al. §3.1); with and without
+    the adapter, so the adapter's worth shows."""
+    E, C = adapter.exit_layer, hidden["final"].shape[-1]
+    x, h = hidden[E].reshape(-1, C).float(), hidden["final"].reshape(-1, C).float()
+    p = (h @ target.wte.weight.t()).softmax(-1)
+    out = {}
+    for name, logits in (("adapter", adapter.logits(target, x)), ("plain_exit", target.ln_f(x) @ target.wte.weight.t())):
+        q = logits.softmax(-1)
+        out[f"{name}_greedy_agreement"] = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
+        out[f"{name}_sampled_acceptance"] = torch.minimum(p, q).sum(-1).mean().item()
+    return out
+
+
+def position_batch(hidden, key, batch, rng):
+    W, S = hidden[key].shape[:2]
+    return torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S, batch))
+
+
 # -- the loop every preset shares ------------------------------------------------------------------------------------
 
 def build(preset, target, args):
@@ -107,6 +141,13 @@ def build(preset, target, args):
                 lambda m, tk, hs, rng: medusa_loss(m, tk, hs, *medusa_batch(tk, hs, m.num_heads, args.batch_size, rng),
                                                    teacher_head=target.wte.weight if args.distill else None),
                 lambda m, tk, hs: medusa_eval(m, target, tk, hs))
+    if preset == "early_exit":
+        if not 1 <= args.exit_layer < target.config.n_layer:
+            raise ValueError(f"--exit-layer must lie in 1..{target.config.n_layer - 1}, got {args.exit_layer}")
+        adapter = ExitAdapter(target.config.n_embd, target.config.vocab_size, args.exit_layer, args.adapter_hidden)
+        return (adapter, (args.exit_layer, "final"),
+                lambda m, tk, hs, rng: exit_loss(m, target, tk, hs, *position_batch(hs, "final", args.batch_size, rng)),
+                lambda m, tk, hs: exit_eval(m, target, tk, hs))
     raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_PRESETS)}")
 
 
@@ -115,7 +156,7 @@ def parse(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", required=True, choices=list(HEAD_PRESETS))
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch-size", type=int, default=2048, help="positions per step (medusa)")
+    ap.add_argument("--batch-size", type=int, default=2048, help="positions per step")
     ap.add_argument("--windows", type=int, default=1024, help="training windows the target is run over once")
     ap.add_argument("--val-windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -127,6 +168,8 @@ def parse(argv):
     ap.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tokens t+2 .. t+1+K)")
     ap.add_argument("--distill", action="store_true",
                     help="medusa: learn the target's distributions instead of the corpus's bytes (Medusa §2.3.2)")
+    ap.add_argument("--exit-layer", type=int, default=1, help="early_exit: blocks the draft runs (E)")
+    ap.add_argument("--adapter-hidden", type=int, default=256, help="early_exit: the adapter MLP's width")
     ap.add_argument("--out", default=None, help="directory for the checkpoint (default: minibatch/model/checkpoints)")
     return ap.parse_args(argv)
 

@@ -17,6 +17,7 @@ The methods (``speculative_config={"method": ..., "num_speculative_tokens": k}``
 * ``"ngram"``: prompt lookup (``ngram.py``), no model at all.
 * ``"draft"``: a small distilled model (``draft_model.py``) with its own paged cache.
 * ``"medusa"``: heads on the target's last hidden state (``medusa.py``), no extra model pass.
+* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache.
 
 The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
 (``<method>.safetensors``, checksum verified), or from the directory ``speculative_config["model"]``.
@@ -26,8 +27,8 @@ from __future__ import annotations
 import abc
 import os
 
-METHODS = ("draft", "ngram", "medusa")
-HEAD_METHODS = ("medusa",)            # a trained head on the frozen target (minibatch/model/heads.py)
+METHODS = ("draft", "ngram", "medusa", "early_exit")
+HEAD_METHODS = ("medusa", "early_exit")            # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
 
@@ -119,6 +120,8 @@ def make_proposer(spec_config, target, draft, engine_config):
         if method == "medusa":
             from minibatch.spec_decode.medusa import MedusaProposer
             return MedusaProposer(head, k)
+        from minibatch.spec_decode.early_exit import EarlyExitProposer
+        return EarlyExitProposer(target, head, k, engine_config)
     from minibatch.spec_decode.draft_model import DraftModelProposer
     if draft is None:
         from minibatch.model.weights import load_model
