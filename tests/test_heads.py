@@ -97,12 +97,30 @@ def test_early_exit_agrees_with_the_target(target_model):
     assert read_manifest("early_exit")["final"]["adapter_greedy_agreement"] > 0.85
 
 
+@pytest.mark.skipif("eagle" not in SHIPPED, reason="no shipped EAGLE head")
+def test_eagle_guesses_the_next_feature(target_model):
+    """On held-out code, head(f^_p) picks the target's argmax at p (the first draft's greedy acceptance) far more
+    often than the target's own head applied to the *previous* feature (what the head improves on)."""
+    val = load_corpus("val")
+    x = torch.tensor(val[13000:13000 + 1024].astype(np.int64))
+    logits, hs = target_model(x, torch.arange(512).repeat(2), _dense(2, 512), hidden_states=("final",))
+    f = hs["final"].view(2, 512, -1)
+    head = load_head("eagle", target_model)
+    f_prev = torch.cat([torch.zeros(2, 1, 256), f[:, :-1]], dim=1)          # entry p reads f_{p-1}; f_{-1} = 0
+    f_hat = head(target_model, x, f_prev.reshape(-1, 256), torch.arange(512).repeat(2), _dense(2, 512), 0)
+    best = logits.argmax(-1)
+    agree = ((f_hat @ target_model.wte.weight.t()).argmax(-1) == best).float().mean().item()
+    stale = ((f_prev.reshape(-1, 256) @ target_model.wte.weight.t()).argmax(-1) == best).float().mean().item()
+    assert agree > 0.75 and agree > stale + 0.3, (agree, stale)
+    assert read_manifest("eagle")["final"]["first_greedy_agreement"] > 0.8
+
+
 def _dense(batch, seq):
     return DenseAttention([seq] * batch)
 
 
 @pytest.mark.parametrize("preset,extra", [("medusa", ["--num-heads", "2"]), ("medusa", ["--distill"]),
-                                          ("early_exit", ["--exit-layer", "2"])])
+                                          ("early_exit", ["--exit-layer", "2"]), ("eagle", ["--crop", "32"])])
 def test_training_smoke(tmp_path, preset, extra):
     """A few steps of each preset, end to end: precompute, train, evaluate, save; the file loads back."""
     from minibatch.model import train

@@ -20,7 +20,7 @@ from minibatch.spec_decode import rejection_sampler
 from minibatch.trace import TraceRecorder
 from test_engine import MAX_TOKENS, PROMPTS
 
-METHODS = [m for m in ("medusa", "early_exit") if (WEIGHTS_DIR / f"{m}.safetensors").exists()]
+METHODS = [m for m in ("medusa", "early_exit", "eagle") if (WEIGHTS_DIR / f"{m}.safetensors").exists()]
 GREEDY = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
 CASES = {   # name: (k, engine config)
     "k1": (1, {}),
@@ -184,6 +184,16 @@ def dense_drafts(target, proposer, token_ids, k):
     if proposer.method == "medusa":              # h_t produced the newest token t + 1; head i guesses t + 2 + i
         h = run_target(token_ids[:-1], hidden_states=("final",))["final"][-1:]
         return proposer.heads(h)[0, :k].argmax(-1).tolist()
+    if proposer.method == "eagle":                # entry p = (token p, f_{p-1}), f_{-1} = 0; then its own f^
+        m = len(token_ids) - 1
+        f = run_target(token_ids[:m], hidden_states=("final",))["final"]
+        feats, ids, out = torch.cat([torch.zeros(1, f.shape[1]), f]), list(token_ids), []
+        for _ in range(k):
+            n = len(ids)
+            f_hat = proposer.head(target, torch.tensor(ids), feats, torch.arange(n), DenseAttention([n]), 0)
+            out.append(int((f_hat[-1] @ target.wte.weight.t()).argmax()))
+            ids, feats = ids + [out[-1]], torch.cat([feats, f_hat[-1:]])
+        return out
     ids, E = list(token_ids), proposer.E                        # early exit: k passes of E blocks + adapter
     for _ in range(k):
         x = run_target(ids, hidden_states=(E,), exit_layer=E)[E][-1:]

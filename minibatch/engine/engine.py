@@ -56,7 +56,8 @@ class LLMEngine:
         self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
         self.model_runner = ModelRunner(model, self.kv_cache, c.block_size, c.attention_backend, c.seed,
                                         scratch_block=num_blocks,
-                                        hidden_states=self.proposer.hidden_states if self.proposer else ())
+                                        hidden_states=self.proposer.hidden_states if self.proposer else (),
+                                        all_hidden=bool(self.proposer and self.proposer.all_hidden))
         self.requests: dict[str, Request] = {}
         self.hooks: list[Callable] = []
         self.step_count, self.t0 = 0, time.perf_counter()

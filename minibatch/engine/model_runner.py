@@ -36,16 +36,18 @@ class ModelRunnerOutput:
     forked_token_ids: list                   # [B] lists: n > 1, each child's first token (else [])
     hidden_states: dict = field(default_factory=dict)   # {layer: [N, C]} a proposer asked for, at logits rows
     logits_rows: list = field(default_factory=list)     # [B] lists: sequence b's rows of the N logits rows
+    query_start_loc: list = field(default_factory=list) # [B+1]: sequence b's tokens are rows qsl[b]:qsl[b+1] of T
+                                                        # (hidden_states has all T rows when the proposer asks)
 
 
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
-                 scratch_block: Optional[int] = None, hidden_states: tuple = ()):
+                 scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.attention_backend = attention_backend
         self.sampler = Sampler(seed)
         self.scratch_block = scratch_block   # static batching: padding rows write here, outside the pool
-        self.hidden_states = tuple(hidden_states)
+        self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
 
     @torch.no_grad()
     def execute(self, out) -> ModelRunnerOutput:
@@ -55,10 +57,13 @@ class ModelRunner:
         dev = self.model.device
         result = self.model(torch.tensor(input_ids, device=dev), attn.metadata.positions, attn,
                             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-                            hidden_states=self.hidden_states)
+                            hidden_states=self.hidden_states, all_hidden=self.all_hidden)
         logits, hidden = result if self.hidden_states else (result, {})
         sampled, accepted, forked = self._sample(out.scheduled, logits.float(), rows)
-        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows)
+        qsl = [0]
+        for n in attn.metadata.query_lens_list[: len(out.scheduled)]:            # host-side: no device sync
+            qsl.append(qsl[-1] + n)
+        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl)
 
     def _prepare_inputs(self, scheduled, num_padding: int = 0):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and

@@ -11,6 +11,8 @@ little to it, reading what the target computes anyway.
   Trained with the backbone frozen, loss sum_i 0.8^i CE_i (§2.1.1's lambda_k).
 * ``ExitAdapter`` (early exit, LayerSkip / Kangaroo): a residual MLP on the target's state after E
   blocks, so that the target's own first E layers + ln_f + head draft.
+* ``EagleHead`` (EAGLE, Li et al. 2024): fc(2C -> C) on (token embedding, target feature), one transformer
+  block, the target's head; trained on SmoothL1 to the next feature + 0.1 x CE to the target's distribution.
 
 Shapes: N = rows, C = n_embd, V = vocab_size, K = heads.
 Each module knows its ``config()`` (stored in the checkpoint's ``.json``) and is rebuilt from it by
@@ -98,7 +100,41 @@ class ExitAdapter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter}
+class EagleHead(nn.Module):
+    """EAGLE (Li et al. 2024, §4.1): a one-block autoregressive head in the target's *feature* space.
+
+    Entry p reads concat(embedding of token p, the target's feature f_{p-1}) (the feature is the ln_f output
+    that feeds the LM head), maps it with fc(2C -> C), adds the target's position embedding of p, and runs one
+    transformer block (attending over the earlier entries: its K/V are one more layer of the target's paged
+    cache). The result f^_p is a guess of f_p, and the target's frozen tied head turns it into a guess of
+    token p + 1. Drafting feeds f^_p back in as the feature of the next entry: EAGLE drafts in feature space.
+    Token and position embeddings are the target's own, frozen and not stored here.
+
+    Entry p depends only on tokens 0 .. p (as the target's K/V at p do), so its K/V may sit in the target's
+    slot p and be shared by the prefix cache and by forks as the target's are. (EAGLE's paper indexes the same
+    entry by its feature: (f_p, token p + 1) -> f_{p+1}; the slot is one further here so that it is.)"""
+    kind = "eagle"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, n_head: int = 4):
+        super().__init__()
+        from minibatch.model.model import Block, GPTConfig
+        self.n_embd, self.vocab_size, self.n_head = n_embd, vocab_size, n_head
+        self.fc = nn.Linear(2 * n_embd, n_embd)
+        self.block = Block(GPTConfig("eagle", n_layer=1, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size))
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size, "n_head": self.n_head}
+
+    def forward(self, target, token_ids, features, positions, attn, layer_idx: int) -> torch.Tensor:
+        """token_ids[T], features[T, C] (f_{p-1} of each entry p), positions[T] -> f^[T, C]."""
+        x = self.fc(torch.cat([target.wte(token_ids), features], dim=-1)) + target.wpe(positions)   # [T, C]
+        return self.block(x, layer_idx, attn)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter, "eagle": EagleHead}
 
 
 def build_head(config: dict) -> nn.Module:
@@ -126,6 +162,9 @@ def load_head(preset: str, target=None, device=None, dtype=torch.float32, direct
         if getattr(head, "exit_layer", 0) >= cfg.n_layer:
             raise ValueError(f"the early-exit adapter exits after {head.exit_layer} blocks; the target has only "
                              f"{cfg.n_layer}")
+        if getattr(head, "n_head", cfg.n_head) != cfg.n_head:
+            raise ValueError(f"the EAGLE head has {head.n_head} attention heads; its K/V share the target's cache, "
+                             f"which holds {cfg.n_head}")
         device, dtype = target.device, target.dtype
     check_dtype(dtype)
     head.manifest = manifest

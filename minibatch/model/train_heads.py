@@ -12,6 +12,12 @@ frozen, so the heads train on one GPU in hours; here on one CPU core in minutes)
 * ``early_exit``: an adapter on the residual stream after E = ``--exit-layer`` blocks learns the full
   target's next-byte distribution (soft cross-entropy; LayerSkip §3, Kangaroo §3.1). Reported: greedy
   agreement with the target and sum_x min(p, q), with the adapter and without it (the plain exit).
+* ``eagle``: one block on (token embedding, target feature) learns the next feature, SmoothL1 + 0.1 x CE
+  against the target's distribution, with noise on the input features (EAGLE §4.2), on crops of the
+  precomputed windows (it attends, so it trains on sequences). Reported: first-draft greedy agreement
+  and sum_x min(p, q), and the same when every input feature is one of its own guesses.
+
+The losses and held-out figures of each preset are in ``head_objectives.py``.
 
 Reproducible: every random choice comes from ``--seed``; the ``.json`` written beside the weights
 records the recipe, the target it was trained on (its SHA-256), the curve and the held-out figures.
@@ -25,15 +31,13 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from minibatch.model.data import load_corpus
-from minibatch.model.heads import ExitAdapter, MedusaHeads
+from minibatch.model.head_objectives import (eagle_batch, eagle_eval, eagle_loss, exit_eval, exit_loss, medusa_batch,
+                                             medusa_eval, medusa_loss, position_batch)
+from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads
 from minibatch.model.train import batched_causal_attention, sample_windows
 from minibatch.model.weights import HEAD_PRESETS, WEIGHTS_DIR, load_model, read_manifest, save_tensors
-
-MEDUSA_DECAY = 0.8                    # lambda_i = 0.8^i (Medusa §2.1.1)
-
 
 @torch.no_grad()
 def precompute(target, data: np.ndarray, windows: int, seq: int, rng, keys=("final",), batch: int = 8):
@@ -53,84 +57,6 @@ def precompute(target, data: np.ndarray, windows: int, seq: int, rng, keys=("fin
     return torch.cat(toks), {k: torch.cat(v) for k, v in hidden.items()}
 
 
-# -- Medusa ----------------------------------------------------------------------------------------------------------
-
-def medusa_loss(heads, toks, hidden, w, t, teacher_head=None):
-    """Sum over heads of 0.8^i x CE(head i at h_t, token t + 2 + i); w, t: [B] windows and positions.
-
-    With ``teacher_head`` (the target's tied head, ``--distill``): the label of head i is the target's own
-    distribution at position t + 1 + i (which predicts token t + 2 + i from the corpus prefix), a soft
-    cross-entropy (self-distillation, Medusa §2.3.2): the heads learn what the target would say, which is
-    what a verify pass accepts, instead of what the corpus says."""
-    logits = heads(hidden["final"][w, t].float())                    # [B, K, V]
-    K = logits.shape[1]
-    if teacher_head is None:
-        targets = toks[w[:, None], t[:, None] + 2 + torch.arange(K)]  # [B, K]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(-1, K)
-    else:
-        with torch.no_grad():
-            p = (hidden["final"][w[:, None], t[:, None] + 1 + torch.arange(K)].float() @ teacher_head.t()).softmax(-1)
-        ce = -(p * logits.log_softmax(-1)).sum(-1)                    # [B, K]
-    return (ce.mean(0) * MEDUSA_DECAY ** torch.arange(K)).sum()
-
-
-@torch.no_grad()
-def medusa_eval(heads, target, toks, hidden) -> dict:
-    """Top-1 / top-5 accuracy of each head on every held-out position that has its target token, and how often
-    its top-1 is the target's own argmax for that token (given the true prefix): what greedy decoding accepts."""
-    W, S, C = hidden["final"].shape
-    K = heads.num_heads
-    h = hidden["final"][:, : S - K - 1].reshape(-1, C).float()         # [W * (S-K-1), C]
-    logits = heads(h)                                                  # [N, K, V]
-    top5 = logits.topk(5, dim=-1).indices                              # [N, K, 5]
-    wte = target.wte.weight.t().float()
-    base = (h @ wte).argmax(-1)                                        # the target's own guess of t + 1
-    out = {"target_top1_t+1": (base == toks[:, 1: S - K].reshape(-1)).float().mean().item()}
-    for i in range(K):
-        y = toks[:, 2 + i: S - K + 1 + i].reshape(-1)
-        out[f"head{i}_top1_t+{2 + i}"] = (top5[:, i, 0] == y).float().mean().item()
-        out[f"head{i}_top5_t+{2 + i}"] = (top5[:, i] == y[:, None]).any(-1).float().mean().item()
-        teacher = (hidden["final"][:, 1 + i: S - K + i].reshape(-1, C).float() @ wte).argmax(-1)
-        out[f"head{i}_agrees_with_target"] = (top5[:, i, 0] == teacher).float().mean().item()
-    return out
-
-
-def medusa_batch(toks, hidden, K, batch, rng):
-    W, S = hidden["final"].shape[:2]
-    return (torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S - K - 1, batch)))
-
-
-# -- early exit -----------------------------------------------------------------------------------------------------
-
-def exit_loss(adapter, target, toks, hidden, w, t):
-    """Soft cross-entropy of the early exit (first E blocks + adapter + ln_f + head) against the full target."""
-    with torch.no_grad():
-        p = (hidden["final"][w, t].float() @ target.wte.weight.t()).softmax(-1)      # the target's p [B, V]
-    logq = adapter.logits(target, hidden[adapter.exit_layer][w, t].float()).log_softmax(-1)
-    return -(p * logq).sum(-1).mean()
-
-
-@torch.no_grad()
-def exit_eval(adapter, target, toks, hidden) -> dict:
-    """Held-out: how often the early exit's argmax is the target's (greedy acceptance), and sum_x min(p, q)
-    (the acceptance rate of one sampled draft at temperature 1, Leviathan et al. §3.1); with and without
-    the adapter, so the adapter's worth shows."""
-    E, C = adapter.exit_layer, hidden["final"].shape[-1]
-    x, h = hidden[E].reshape(-1, C).float(), hidden["final"].reshape(-1, C).float()
-    p = (h @ target.wte.weight.t()).softmax(-1)
-    out = {}
-    for name, logits in (("adapter", adapter.logits(target, x)), ("plain_exit", target.ln_f(x) @ target.wte.weight.t())):
-        q = logits.softmax(-1)
-        out[f"{name}_greedy_agreement"] = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
-        out[f"{name}_sampled_acceptance"] = torch.minimum(p, q).sum(-1).mean().item()
-    return out
-
-
-def position_batch(hidden, key, batch, rng):
-    W, S = hidden[key].shape[:2]
-    return torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S, batch))
-
-
 # -- the loop every preset shares ------------------------------------------------------------------------------------
 
 def build(preset, target, args):
@@ -148,6 +74,12 @@ def build(preset, target, args):
         return (adapter, (args.exit_layer, "final"),
                 lambda m, tk, hs, rng: exit_loss(m, target, tk, hs, *position_batch(hs, "final", args.batch_size, rng)),
                 lambda m, tk, hs: exit_eval(m, target, tk, hs))
+    if preset == "eagle":
+        head = EagleHead(target.config.n_embd, target.config.vocab_size, target.config.n_head)
+        return (head, ("final",),
+                lambda m, tk, hs, rng: eagle_loss(m, target, tk, hs, *eagle_batch(hs, args.crop, args.batch_size, rng),
+                                                  args.noise),
+                lambda m, tk, hs: eagle_eval(m, target, tk, hs))
     raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_PRESETS)}")
 
 
@@ -156,7 +88,7 @@ def parse(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", required=True, choices=list(HEAD_PRESETS))
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch-size", type=int, default=2048, help="positions per step")
+    ap.add_argument("--batch-size", type=int, default=2048, help="positions per step (eagle: in windows of --crop)")
     ap.add_argument("--windows", type=int, default=1024, help="training windows the target is run over once")
     ap.add_argument("--val-windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -170,6 +102,9 @@ def parse(argv):
                     help="medusa: learn the target's distributions instead of the corpus's bytes (Medusa §2.3.2)")
     ap.add_argument("--exit-layer", type=int, default=1, help="early_exit: blocks the draft runs (E)")
     ap.add_argument("--adapter-hidden", type=int, default=256, help="early_exit: the adapter MLP's width")
+    ap.add_argument("--crop", type=int, default=256, help="eagle: positions per training window")
+    ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise on the input features")
+    ap.add_argument("--init", action="store_true", help="continue from the shipped checkpoint (a further stage)")
     ap.add_argument("--out", default=None, help="directory for the checkpoint (default: minibatch/model/checkpoints)")
     return ap.parse_args(argv)
 
@@ -196,6 +131,14 @@ def main(argv=None):
     for p in target.parameters():
         p.requires_grad_(False)
     head, keys, loss_fn, eval_fn = build(args.preset, target, args)
+    previous = None
+    if args.init:                                                 # a further stage from the shipped weights
+        from minibatch.model.heads import load_head
+        shipped = load_head(args.preset, target)
+        if shipped.config() != head.config():
+            raise ValueError(f"--init: the shipped {args.preset} is {shipped.config()}, this run builds {head.config()}")
+        head.load_state_dict(shipped.state_dict())
+        previous = shipped.manifest
     t0 = time.time()
     train_t, train_h = precompute(target, load_corpus("train"), args.windows, args.seq_len, rng, keys)
     val_t, val_h = precompute(target, load_corpus("val"), args.val_windows, args.seq_len,
@@ -234,6 +177,9 @@ def main(argv=None):
             "command": "python -m minibatch.model.train " + " ".join(_without_out(sys.argv[1:] if argv is None else argv)),
             "precompute_minutes": round(pre_min, 1), "train_minutes": round((time.time() - t1) / 60, 1),
             "python": ".".join(map(str, sys.version_info[:3])), "final": log[-1], "log": log}
+    if previous is not None:                                      # every stage of the recipe, in order
+        stage = lambda m: {k: m[k] for k in ("recipe", "command", "train_minutes", "final") if k in m}
+        info["stages"] = previous.get("stages", [stage(previous)]) + [stage(info) | {"init": previous["sha256"]}]
     print("saved", save_tensors(args.preset, head.state_dict(), info, args.out or WEIGHTS_DIR))
     return head, info
 

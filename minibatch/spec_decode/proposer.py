@@ -18,6 +18,7 @@ The methods (``speculative_config={"method": ..., "num_speculative_tokens": k}``
 * ``"draft"``: a small distilled model (``draft_model.py``) with its own paged cache.
 * ``"medusa"``: heads on the target's last hidden state (``medusa.py``), no extra model pass.
 * ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache.
+* ``"eagle"``: one block drafting in feature space (``eagle.py``), its K/V one more layer of the target's cache.
 
 The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
 (``<method>.safetensors``, checksum verified), or from the directory ``speculative_config["model"]``.
@@ -27,8 +28,8 @@ from __future__ import annotations
 import abc
 import os
 
-METHODS = ("draft", "ngram", "medusa", "early_exit")
-HEAD_METHODS = ("medusa", "early_exit")            # a trained head on the frozen target (minibatch/model/heads.py)
+METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
+HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
 
@@ -37,6 +38,7 @@ class Proposer(abc.ABC):
     method: str = ""
     hidden_states: tuple = ()        # which of the target's hidden states it reads (GPT.forward's numbering)
     sequential_passes = "k"          # draft passes one after the other per step ("k", or a number)
+    all_hidden = False               # True: hidden_states at every token of the step, not only the logits rows
 
     def __init__(self, k: int):
         self.k = k
@@ -120,6 +122,9 @@ def make_proposer(spec_config, target, draft, engine_config):
         if method == "medusa":
             from minibatch.spec_decode.medusa import MedusaProposer
             return MedusaProposer(head, k)
+        if method == "eagle":
+            from minibatch.spec_decode.eagle import EagleProposer
+            return EagleProposer(target, head, k, engine_config)
         from minibatch.spec_decode.early_exit import EarlyExitProposer
         return EarlyExitProposer(target, head, k, engine_config)
     from minibatch.spec_decode.draft_model import DraftModelProposer

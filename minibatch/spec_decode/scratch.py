@@ -63,3 +63,11 @@ class ScratchTables:
             for layer in self.layers:
                 kv[layer, :, dst] = kv[layer, :, src]
         return out
+
+    def copy_back(self) -> None:
+        """EAGLE writes its entries for *computed* positions in the same pass as its first draft; those that fell
+        in a partly filled block went to the copy. Return them (the first m % bs slots) to the target's block."""
+        kv = self.kv_cache.kv
+        for real, copy, n in self.copies:
+            for layer in self.layers:
+                kv[layer, :, real, :n] = kv[layer, :, copy, :n]
