@@ -39,6 +39,7 @@ class SeqStep:
     bonus: int = 0                  # 1 if every draft was accepted, so the +1 is a bonus token from the
                                     # target's next position; 0 with proposed > 0: it is a correction token
     new_token_ids: list = field(default_factory=list)   # tokens appended this step (may be empty mid-prefill)
+    draft_token_ids: list = field(default_factory=list) # the drafts verified this step (the first `accepted` kept)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
         k = len(s.spec_token_ids)
         steps.append(SeqStep(s.seq.seq_id, s.seq.request_id, s.phase, s.num_new_tokens, s.num_computed_before,
                              s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
-                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks)))
+                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks),
+                             draft_token_ids=list(s.spec_token_ids)))
     live = [s for s in sched.running if a.has_seq(s.seq_id)]
     spec = engine.config.speculative_config or {}
     return StepTrace(
