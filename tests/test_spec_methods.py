@@ -216,3 +216,48 @@ def test_drafts_equal_the_dense_computation(target_model, method):
     assert len(seen) > 20
     for ids, drafts in seen[::3]:
         assert drafts == dense_drafts(target_model, prop, ids, len(drafts)), f"after {len(ids)} tokens"
+
+
+# -- typical acceptance: opt-in, and lossy ---------------------------------------------------------------------------
+
+def tv_joint(toks, exact):
+    """Total variation between the observed (t1, t2, t3) and the exact joint (pairs outside it: one cell)."""
+    n, seen = len(toks), {}
+    for t in map(tuple, toks.tolist()):
+        seen[t] = seen.get(t, 0) + 1
+    inside = sum(abs(seen.get(c, 0) / n - p) for c, p in exact.items())
+    rest_obs = sum(v for c, v in seen.items() if c not in exact) / n
+    return 0.5 * (inside + abs(rest_obs - (1 - sum(exact.values()))))
+
+
+@pytest.mark.skipif("medusa" not in METHODS, reason="no shipped medusa heads")
+def test_typical_acceptance_is_opt_in_labelled_and_measurably_lossy(target_model, refs, exact):
+    typical = {"method": "medusa", "num_speculative_tokens": 1, "acceptance": "typical"}
+    llm = LLM(target_model, speculative_config=typical)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)            # greedy rows accept the argmax either way
+    assert [o.outputs[0].token_ids for o in outs] == refs and outs[0].outputs[0].spec["lossless"] is False
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=1000 + i) for i in range(N_SAMPLES)]
+    toks = {}
+    for acc in ("rejection", "typical"):
+        llm = LLM(target_model, max_num_seqs=64, speculative_config={**typical, "acceptance": acc})
+        outs = llm.generate([PROMPT] * N_SAMPLES, params, use_tqdm=False)
+        assert outs[0].outputs[0].spec["lossless"] is (acc == "rejection")
+        toks[acc] = np.array([o.outputs[0].token_ids for o in outs])
+    chi2, crit = chi_square(toks["typical"], exact)
+    tv_typ, tv_rej = tv_joint(toks["typical"], exact), tv_joint(toks["rejection"], exact)
+    p1 = forward_sequences(target_model, [PROMPT])[0][-1].softmax(-1)
+    p2 = (p1[:, None] * torch.stack([lg[-1] for lg in forward_sequences(
+        target_model, [PROMPT + [t] for t in range(256)])]).softmax(-1)).sum(0).double().numpy()   # P(t2)
+    tv2 = {a: 0.5 * np.abs(np.bincount(t[:, 1], minlength=256) / len(t) - p2).sum() for a, t in toks.items()}
+    print(f"TV from the target's exact distribution, {N_SAMPLES} samples: first three tokens jointly: typical "
+          f"{tv_typ:.3f}, rejection {tv_rej:.3f} (its noise floor); second token: typical {tv2['typical']:.3f}, "
+          f"rejection {tv2['rejection']:.3f}")
+    assert chi2 > crit and tv_typ > tv_rej + 0.03 and tv2["typical"] > tv2["rejection"], (chi2, crit, tv_typ, tv2)
+
+
+@pytest.mark.parametrize("cfg,match", [({"acceptance": "greedy"}, "unknown acceptance"),
+                                       ({"posterior_alpha": 0.3}, "only with acceptance='typical'"),
+                                       ({"acceptance": "typical", "posterior_threshold": 0}, "posterior_threshold")])
+def test_bad_typical_config(target_model, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(target_model, speculative_config={"method": "ngram", "num_speculative_tokens": 2, **cfg})

@@ -18,6 +18,9 @@ hits both sides. Each row reports:
   ``propose_duration``), and ``predicted`` = formula / (1 + cost), Leviathan et al.'s Theorem 3.8 with
   k c measured as one number (a draft pass costs c, Medusa's heads cost a fraction of one).
 
+``--typical`` adds, at temperature 1, rows ``medusa-typ``: Medusa with typical acceptance (§2.3.1), which
+is LOSSY (its output is not distributed as the target's; ``spec_decode/typical.py``).
+
 All figures come from the step traces (``minibatch.stats.run_stats``), one definition each.
 """
 from __future__ import annotations
@@ -84,9 +87,11 @@ HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>9}{'pass
           f"{'out/fwd':>8}{'cost':>6}{'predicted':>10}")
 
 
-def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain):
+def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain, extra=None):
     llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1),
-              speculative_config={"method": method, "num_speculative_tokens": k})
+              speculative_config={"method": method, "num_speculative_tokens": k, **(extra or {})})
+    if extra:
+        method = f"{method}-typ"                                             # typical acceptance: LOSSY
     (base, _, base_tr, base_walls), (tps, outs, tr, walls) = timed_pair(plain, llm, prompts, params, repeats)
     st = run_stats(tr)
     ratios = [b / s for b, s in zip(base_walls, walls)]                     # same tokens: time ratio = speed ratio
@@ -136,6 +141,9 @@ def bench_speculative(args) -> list:
                     if k > _max_k(method):
                         continue
                     rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain))
+                    if getattr(args, "typical", False) and method == "medusa" and temp > 0:
+                        rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
+                                              extra={"acceptance": "typical"}))
     return rows
 
 

@@ -30,6 +30,7 @@ from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import decode, encode
 from minibatch.spec_decode.proposer import make_proposer
+from minibatch.spec_decode.typical import typical_params
 from minibatch.trace import make_trace
 
 
@@ -57,7 +58,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(model, self.kv_cache, c.block_size, c.attention_backend, c.seed,
                                         scratch_block=num_blocks,
                                         hidden_states=self.proposer.hidden_states if self.proposer else (),
-                                        all_hidden=bool(self.proposer and self.proposer.all_hidden))
+                                        all_hidden=bool(self.proposer and self.proposer.all_hidden),
+                                        typical=typical_params(c.speculative_config))
         self.requests: dict[str, Request] = {}
         self.hooks: list[Callable] = []
         self.step_count, self.t0 = 0, time.perf_counter()
@@ -133,4 +135,5 @@ class LLMEngine:
             for fn in self.hooks:
                 fn(trace)
         self.step_count += 1
-        return [request_output(req, self.proposer is not None) for req in changed]
+        lossless = typical_params(self.config.speculative_config) is None
+        return [request_output(req, self.proposer is not None, lossless) for req in changed]

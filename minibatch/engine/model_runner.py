@@ -42,12 +42,14 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
-                 scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False):
+                 scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
+                 typical: Optional[tuple] = None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.attention_backend = attention_backend
         self.sampler = Sampler(seed)
         self.scratch_block = scratch_block   # static batching: padding rows write here, outside the pool
         self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
+        self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
 
     @torch.no_grad()
     def execute(self, out) -> ModelRunnerOutput:
@@ -123,6 +125,11 @@ class ModelRunner:
 
         drafts [B, k] (-1 past a row's own k_b), q [B, k, V] from the proposer (None: one-hot drafts), the
         target's p [B, k + 1, V] at the verified rows; returns (tokens per row, drafts accepted per row)."""
+        if self.typical is not None:          # opt-in, lossy: accept what the target finds typical enough
+            from minibatch.spec_decode.typical import typical_accept
+            res = [typical_accept(s.spec_token_ids, probabilities(logits[r].cpu(), s.seq.params), *self.typical,
+                                  generator=s.seq.generator) for s, r in zip(batch, rows)]
+            return [t for t, _ in res], [n for _, n in res]
         k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
         drafts = torch.full((B, k), -1, dtype=torch.long)
         target = torch.zeros(B, k + 1, V)

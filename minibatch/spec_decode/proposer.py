@@ -31,7 +31,8 @@ import os
 METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
 HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
-KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+        "acceptance", "posterior_threshold", "posterior_alpha"}      # the last three: typical.py (lossy, opt-in)
 
 
 class Proposer(abc.ABC):
@@ -106,6 +107,8 @@ def check_speculative_config(spec_config) -> None:
     if method == "ngram":
         from minibatch.spec_decode.ngram import check_ngram_sizes
         check_ngram_sizes(spec_config.get("prompt_lookup_min", 1), spec_config.get("prompt_lookup_max", 3))
+    from minibatch.spec_decode.typical import check_typical_config
+    check_typical_config(spec_config)
 
 
 def make_proposer(spec_config, target, draft, engine_config):
