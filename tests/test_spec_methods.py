@@ -48,6 +48,7 @@ def run(target, method, k, params=GREEDY, prompts=PROMPTS, **cfg):
     if hasattr(prop, "allocator"):                       # a proposer with a paged cache of its own
         prop.allocator.check_invariants()
         assert prop.allocator.num_free_blocks == prop.allocator.num_blocks, "the proposer's cache leaked"
+    assert not getattr(prop, "state", None) and not getattr(prop, "generators", None), "per-sequence state leaked"
     return outs, rec.traces
 
 

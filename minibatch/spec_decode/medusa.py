@@ -14,7 +14,8 @@ combinations at once.
 
 Lossless at any temperature: the drafts are deterministic (top-1), so q is one-hot (``spec_probs =
 None``) and the rejection sampler accepts x with probability p(x), else samples norm(max(0, p - q)).
-Medusa's *typical acceptance* (§2.3.1) is lossy and not used here.
+Medusa's *typical acceptance* (§2.3.1) accepts far more at temperature > 0 but is lossy: it is an
+explicit opt-in (``"acceptance": "typical"``, ``typical.py``), never the default.
 """
 from __future__ import annotations
 
