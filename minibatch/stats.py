@@ -13,7 +13,10 @@ definition. What it counts, per run:
   steps, and **tokens per target forward**. A verify step of k drafts with a accepted
   emits a + 1 tokens: the accepted drafts, then one token of the target's own, a *bonus*
   token when a = k and a *correction* token when a < k (Leviathan et al. 2023 §2.3).
-  Beside it, the i.i.d. formula (1 - α^(k+1)) / (1 - α) at the measured α.
+  Beside it, the i.i.d. formula (1 - α^(k+1)) / (1 - α) at the measured α; and α by draft
+  position (position i judged only when 1 .. i-1 were accepted; ``SpecStats.acceptance_by_position``).
+  ``tokens_per_decode_forward`` counts every decode step of a sequence, with drafts or without (a
+  proposer may find none), so it is what speculation bought per target forward over the whole run.
 """
 from __future__ import annotations
 
@@ -57,10 +60,13 @@ def run_stats(traces) -> dict:
          "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
                                    if last.prefix_cache_queries else None),
          "preemptions": sum(len(t.preempted) for t in traces)}
+    decode = [x for t in traces for x in t.scheduled if x.phase == "decode"]
+    s["tokens_per_decode_forward"] = (sum(len(x.new_token_ids) for x in decode) / len(decode)) if decode else None
     spec = spec_stats(traces)
     if spec.proposed:
         s.update(speculative_method=last.speculative_method, spec_proposed=spec.proposed,
                  spec_accepted=spec.accepted, acceptance_rate=spec.acceptance_rate, verify_steps=spec.num_steps,
+                 acceptance_by_position=spec.acceptance_by_position,                 # alpha_i, i = 1, 2, ...
                  tokens_per_verify_step=spec.mean_tokens_per_step,            # = tokens per target forward
                  expected_tokens_per_verify_step=spec.expected_tokens_per_step)
     return s

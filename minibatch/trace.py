@@ -39,6 +39,7 @@ class SeqStep:
     bonus: int = 0                  # 1 if every draft was accepted, so the +1 is a bonus token from the
                                     # target's next position; 0 with proposed > 0: it is a correction token
     new_token_ids: list = field(default_factory=list)   # tokens appended this step (may be empty mid-prefill)
+    draft_token_ids: list = field(default_factory=list) # the drafts verified this step (the first `accepted` kept)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class StepTrace:
     prefix_cache_queries: int = 0   # cumulative full blocks looked up
     speculative_method: Optional[str] = None   # the proposer ("draft", "ngram", ...), None without speculation
     num_speculative_tokens: int = 0            # its k
+    propose_duration: float = 0.0              # seconds of ``duration`` the proposer took (drafting for the next step)
     note: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -104,7 +106,7 @@ class TraceRecorder:
         return cls([StepTrace.from_dict(t) for t in data["traces"]], data.get("meta"))
 
 
-def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
+def make_trace(engine, out, runner_output, t_start: float, propose_duration: float = 0.0) -> StepTrace:
     """The trace of the step just taken, from the scheduler's output, the runner's and the state after."""
     a, sched = engine.allocator, engine.scheduler
     steps = []
@@ -112,7 +114,8 @@ def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
         k = len(s.spec_token_ids)
         steps.append(SeqStep(s.seq.seq_id, s.seq.request_id, s.phase, s.num_new_tokens, s.num_computed_before,
                              s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
-                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks)))
+                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks),
+                             draft_token_ids=list(s.spec_token_ids)))
     live = sched.live_seq_ids()
     spec = engine.config.speculative_config or {}
     return StepTrace(
@@ -127,4 +130,5 @@ def make_trace(engine, out, runner_output, t_start: float) -> StepTrace:
         num_batched_tokens=out.num_batched_tokens, token_budget=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
-        speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0))
+        speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+        propose_duration=propose_duration)

@@ -14,15 +14,22 @@ def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
 
 
 def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
-    bench.main(["speculative", "--ks", "1,2", "--batch-sizes", "1", "--max-tokens", "8", "--repeats", "1"])
+    bench.main(["speculative", "--methods", "draft,ngram,medusa", "--ks", "1,2", "--batch-sizes", "1",
+                "--max-tokens", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("low", "high"))]
-    # per entropy: draft and ngram for k = 1, 2, each timed against plain decoding
+    # per entropy: each method for k = 1, 2, each timed against plain decoding
     assert [(r[0], r[2], r[3]) for r in rows] == [(e, m, k) for e in ("low", "high")
-                                                  for m in ("draft", "ngram") for k in ("1", "2")]
+                                                  for m in ("draft", "ngram", "medusa") for k in ("1", "2")]
     for r in rows:
-        k = int(r[3])
-        tps, base, speedup, alpha, tok_fwd, formula, predicted = map(float, r[4:11])
+        k, passes = int(r[3]), int(r[5])
+        assert passes == (0 if r[2] in ("ngram", "medusa") else k)       # Medusa: no sequential draft pass
+        assert int(r[4].replace(",", "")) == {"draft": 297_600, "ngram": 0, "medusa": 525_312}[r[2]]
+        tps, base, speedup = map(float, r[6:9])
+        lo, hi = map(float, r[9].split("-"))
+        alpha, by_pos, tau, formula, out_fwd, cost, predicted = float(r[10]), r[11], *map(float, r[12:17])
         rounding = 0.005 + 0.05 / base * (1 + tps / base)     # tok/s are printed to 0.1, the ratio to 0.01
-        assert abs(speedup - tps / base) <= rounding and 0.0 <= alpha <= 1.0
-        assert 1.0 <= tok_fwd <= k + 1 and 1.0 <= formula <= k + 1 and 0.0 < predicted <= formula
+        assert abs(speedup - tps / base) <= rounding and lo <= hi and 0.0 <= alpha <= 1.0
+        assert by_pos == "-" or (len(by_pos.split("/")) <= k and all(0 <= float(a) <= 1 for a in by_pos.split("/")))
+        assert 1.0 <= tau <= k + 1 and 1.0 <= formula <= k + 1 and 1.0 <= out_fwd <= k + 1
+        assert cost >= 0 and 0.0 < predicted <= formula

@@ -80,7 +80,7 @@ def test_k_is_shortened_near_max_tokens(target_model, draft_model):
 @pytest.mark.parametrize("cfg,match", [
     ({"method": "draft", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"method": "draft", "num_speculative_tokens": 99}, "num_speculative_tokens"),
-    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown speculative method"),
+    ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown speculative method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown speculative_config"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "n_min"),

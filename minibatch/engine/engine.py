@@ -29,6 +29,7 @@ from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import decode, encode
 from minibatch.spec_decode.proposer import make_proposer
+from minibatch.spec_decode.typical import typical_params
 from minibatch.trace import make_trace
 
 
@@ -42,14 +43,22 @@ class LLMEngine:
         # (as in HF generate or FasterTransformer). When that token starts a new block, its K/V goes to a
         # scratch block past the allocator's pool (ids num_blocks, ...), which no sequence ever owns.
         num_scratch = c.max_num_seqs if c.scheduling == "static" else 0
-        self.kv_cache = KVCache(mc.n_layer, num_blocks + num_scratch, c.block_size, mc.num_kv_heads, mc.head_dim,
-                                dtype=model.dtype, device=model.device)
+        self.proposer = make_proposer(c.speculative_config, model, draft_model, c)
+        # A proposer that drafts inside this cache (early exit, EAGLE) gets its scratch blocks after those,
+        # and EAGLE one cache layer of its own after the target's (spec_decode/scratch.py).
+        p = self.proposer
+        num_draft = p.num_scratch_blocks(c.max_num_seqs, c.block_size) if p else 0
+        self.kv_cache = KVCache(mc.n_layer + (p.extra_kv_layers if p else 0), num_blocks + num_scratch + num_draft,
+                                c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device)
+        if p:
+            p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else Scheduler
         self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
-        self.proposer = make_proposer(c.speculative_config, model, draft_model, c)
         self.model_runner = ModelRunner(model, self.kv_cache, c.block_size, c.attention_backend, c.seed,
                                         scratch_block=num_blocks,
-                                        hidden_states=self.proposer.hidden_states if self.proposer else ())
+                                        hidden_states=self.proposer.hidden_states if self.proposer else (),
+                                        all_hidden=bool(self.proposer and self.proposer.all_hidden),
+                                        typical=typical_params(c.speculative_config))
         self.requests: dict[str, Request] = {}     # unfinished requests only: a finished one is forgotten
         self._num_added = 0
         self.hooks: list[Callable] = []
@@ -115,17 +124,20 @@ class LLMEngine:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
         changed, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        t_propose = time.perf_counter()
         if self.proposer is not None:
             for seq in scheduler_output.preempted + finished:
                 self.proposer.free(seq)
             self.proposer.propose([s for s in self.scheduler.running if s.is_decoding], runner_output,
                                   scheduler_output)
+        t_propose = time.perf_counter() - t_propose
         if self.hooks:
-            trace = make_trace(self, scheduler_output, runner_output, t_start)
+            trace = make_trace(self, scheduler_output, runner_output, t_start, t_propose)
             for fn in self.hooks:
                 fn(trace)
         self.step_count += 1
-        outputs = [request_output(req, self.proposer is not None) for req in changed]
+        lossless = typical_params(self.config.speculative_config) is None
+        outputs = [request_output(req, self.proposer is not None, lossless) for req in changed]
         for req in changed:
             if req.finished:                      # its final output is in hand: a server runs for ever
                 del self.requests[req.request_id]

@@ -36,16 +36,20 @@ class ModelRunnerOutput:
     forked_token_ids: list                   # [B] lists: n > 1, each child's first token (else [])
     hidden_states: dict = field(default_factory=dict)   # {layer: [N, C]} a proposer asked for, at logits rows
     logits_rows: list = field(default_factory=list)     # [B] lists: sequence b's rows of the N logits rows
+    query_start_loc: list = field(default_factory=list) # [B+1]: sequence b's tokens are rows qsl[b]:qsl[b+1] of T
+                                                        # (hidden_states has all T rows when the proposer asks)
 
 
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
-                 scratch_block: Optional[int] = None, hidden_states: tuple = ()):
+                 scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
+                 typical: Optional[tuple] = None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.attention_backend = attention_backend
         self.sampler = Sampler(seed)
         self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
-        self.hidden_states = tuple(hidden_states)
+        self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
+        self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
 
     @torch.no_grad()
     def execute(self, out) -> ModelRunnerOutput:
@@ -55,10 +59,13 @@ class ModelRunner:
         dev = self.model.device
         result = self.model(torch.tensor(input_ids, device=dev), attn.metadata.positions, attn,
                             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-                            hidden_states=self.hidden_states)
+                            hidden_states=self.hidden_states, all_hidden=self.all_hidden)
         logits, hidden = result if self.hidden_states else (result, {})
         sampled, accepted, forked = self._sample(out.scheduled, logits.float(), rows)
-        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows)
+        qsl = [0]
+        for n in attn.metadata.query_lens_list[: len(out.scheduled)]:            # host-side: no device sync
+            qsl.append(qsl[-1] + n)
+        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl)
 
     def _prepare_inputs(self, scheduled, padding=()):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
@@ -95,6 +102,17 @@ class ModelRunner:
                                 [scheduled[b].seq.generator for b in plain])
             for b, t in zip(plain, toks):
                 sampled[b] = [t]
+        # greedy rows verify by argmax alone (what the rejection sampler does for them, without building
+        # their one-hot p and q): accept drafts while each is the target's argmax, then the argmax after them
+        fast = [b for b in verify if scheduled[b].seq.params.greedy]
+        if fast:
+            best = logits[[r for b in fast for r in rows[b]]].argmax(-1).tolist()
+            for b in fast:
+                drafts, top = scheduled[b].spec_token_ids, best[:len(rows[b])]
+                del best[:len(rows[b])]
+                n = next((i for i, (d, t) in enumerate(zip(drafts, top)) if d != t), len(drafts))
+                sampled[b], accepted[b] = drafts[:n] + [top[n]], n
+        verify = [b for b in verify if b not in fast]
         if verify:
             for b, toks, n in zip(verify, *self._verify([scheduled[b] for b in verify], logits,
                                                         [rows[b] for b in verify])):
@@ -110,6 +128,11 @@ class ModelRunner:
 
         drafts [B, k] (-1 past a row's own k_b), q [B, k, V] from the proposer (None: one-hot drafts), the
         target's p [B, k + 1, V] at the verified rows; returns (tokens per row, drafts accepted per row)."""
+        if self.typical is not None:          # opt-in, lossy: accept what the target finds typical enough
+            from minibatch.spec_decode.typical import typical_accept
+            res = [typical_accept(s.spec_token_ids, probabilities(logits[r].cpu(), s.seq.params), *self.typical,
+                                  generator=s.seq.generator) for s, r in zip(batch, rows)]
+            return [t for t, _ in res], [n for _, n in res]
         k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
         drafts = torch.full((B, k), -1, dtype=torch.long)
         target = torch.zeros(B, k + 1, V)

@@ -54,7 +54,8 @@ class CompletionOutput:
     text: str
     token_ids: list
     finish_reason: Optional[str] = None     # "length", "stop", "abort"; None while running
-    spec: Optional[dict] = None             # this sequence's speculative statistics (SpecStats.to_dict)
+    spec: Optional[dict] = None             # this sequence's speculative statistics (SpecStats.to_dict), and
+                                            # "lossless": False under typical acceptance (spec_decode/typical.py)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-def request_output(req, with_spec: bool) -> RequestOutput:
+def request_output(req, with_spec: bool, lossless: bool = True) -> RequestOutput:
     """A request's output as it stands now (``req`` is an ``engine.sequence.Request``).
 
     The counts that live on the sequences are read from them here, so they are stored once:
@@ -77,6 +78,6 @@ def request_output(req, with_spec: bool) -> RequestOutput:
     m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
     m.num_cached_tokens = req.seqs[0].num_cached_tokens
     outs = [CompletionOutput(s.index, decode(s.output_token_ids), s.output_token_ids, s.finish_reason,
-                             s.spec_stats.to_dict() if with_spec else None)
+                             s.spec_stats.to_dict() | {"lossless": lossless} if with_spec else None)
             for s in sorted(req.seqs, key=lambda s: s.index)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, m)

@@ -140,7 +140,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
                 logits_indices: Optional[torch.Tensor] = None, hidden_states: Sequence = (),
-                exit_layer: Optional[int] = None):
+                exit_layer: Optional[int] = None, all_hidden: bool = False):
         """input_ids[T], positions[T] -> logits[N, V] for the rows ``logits_indices`` (all T if None).
 
         An engine needs logits only at each sequence's last new token (or at the
@@ -151,6 +151,7 @@ class GPT(nn.Module):
         * ``hidden_states``: also return ``{i: [N, C]}`` at the same rows, where i counts blocks run
           (0 = the embeddings, i = the output of block i - 1, as Hugging Face numbers them) or is
           ``"final"``, the normalised state that feeds the LM head (what Medusa heads and EAGLE read).
+          With ``all_hidden``, they are returned at all T rows instead (EAGLE reads every token's feature).
         * ``exit_layer`` = E: run only the first E blocks, then ln_f and the shared LM head (the
           early-exit draft of LayerSkip, Elhoushi et al. 2024, §3). Their K/V are the target's own.
         Returns logits, or (logits, hidden dict) when ``hidden_states`` is given.
@@ -171,15 +172,17 @@ class GPT(nn.Module):
             x = self.h[i](x, i, attn)
         if n_run in want:
             kept[n_run] = x
+        x_all = x
         if logits_indices is not None:
             x = x[logits_indices]                                 # [N, C]
-            kept = {i: h[logits_indices] for i, h in kept.items()}
+            if not all_hidden:
+                kept = {i: h[logits_indices] for i, h in kept.items()}
         x = self.ln_f(x)
         logits = x @ self.wte.weight.t()                          # tied head -> [N, V]
         if not hidden_states:
             return logits
         if "final" in want:
-            kept["final"] = x
+            kept["final"] = self.ln_f(x_all) if all_hidden and logits_indices is not None else x
         return logits, kept
 
 

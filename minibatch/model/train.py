@@ -6,6 +6,9 @@ cross-entropy against the target's full next-byte distribution, which teaches
 it to agree with the target's choices, the property speculative decoding is
 paid by (Leviathan et al., 2023, Sec. 3: the speed-up grows with acceptance).
 
+The speculative heads (``--preset medusa | eagle | early_exit``) train on top of the frozen target;
+their presets live in ``train_heads.py`` and are dispatched there from here.
+
 Reported metric: bits per byte (bpb) = mean cross-entropy in nats / ln 2, on
 held-out files. A uniform guess over 256 bytes scores 8 bpb.
 """
@@ -70,8 +73,16 @@ def evaluate(model: GPT, val: np.ndarray, teacher: GPT | None = None, windows: i
 
 
 def main(argv=None):
+    import sys
+    from minibatch.model.weights import HEAD_PRESETS
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset")
+    if pre.parse_known_args(argv)[0].preset in HEAD_PRESETS:      # a head on the frozen target
+        from minibatch.model import train_heads
+        return train_heads.main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS) + list(HEAD_PRESETS))
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)

@@ -3,6 +3,9 @@
 Each preset has two files in ``minibatch/model/checkpoints/``:
   ``<preset>.safetensors``  the tensors, float16 (half the bytes; float32 on load)
   ``<preset>.json``         the config, the SHA-256 of the tensor file, and how it was trained
+The GPT presets (``target``, ``draft``) load as a ``GPT`` (``load_model``); the speculative heads
+(``medusa``, ``eagle``, ``early_exit``: ``minibatch/model/heads.py``) as their own modules through
+``load_tensors``, the same two files and the same checks.
 safetensors holds raw tensors and a JSON header only, so loading cannot run code
 (unlike ``pickle``). The checksum catches a truncated or swapped file.
 """
@@ -15,9 +18,10 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
-from minibatch.model.model import GPT, GPTConfig, get_config
+from minibatch.model.model import GPT, PRESETS, GPTConfig
 
 WEIGHTS_DIR = pathlib.Path(__file__).parent / "checkpoints"
+HEAD_PRESETS = ("medusa", "eagle", "early_exit")       # modules on top of the frozen target (heads.py)
 
 
 class ChecksumError(RuntimeError):
@@ -28,20 +32,28 @@ def sha256_of(path: pathlib.Path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
-def save_checkpoint(model: GPT, info: dict, directory: pathlib.Path = WEIGHTS_DIR) -> pathlib.Path:
+def save_tensors(name: str, tensors: dict, manifest: dict, directory: pathlib.Path = WEIGHTS_DIR,
+                 dtype: torch.dtype = torch.float16) -> pathlib.Path:
+    """Write ``<name>.safetensors`` (tensors cast to ``dtype``) and ``<name>.json`` (manifest + SHA-256)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = model.config.name
-    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()}
     path = directory / f"{name}.safetensors"
     save_file(tensors, str(path))
-    manifest = {"config": model.config.to_dict(), "sha256": sha256_of(path), **info}
+    manifest = dict(manifest)
+    manifest = {"config": manifest.pop("config", {}), "sha256": sha256_of(path), **manifest}
     (directory / f"{name}.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return path
 
 
+def save_checkpoint(model: GPT, info: dict, directory: pathlib.Path = WEIGHTS_DIR) -> pathlib.Path:
+    return save_tensors(model.config.name, model.state_dict(), {"config": model.config.to_dict(), **info},
+                        directory)
+
+
 def read_manifest(preset: str, directory: pathlib.Path = WEIGHTS_DIR) -> dict:
-    get_config(preset)                                         # unknown preset -> clear error
+    if preset not in HEAD_PRESETS and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS) + list(HEAD_PRESETS)}")
     path = pathlib.Path(directory) / f"{preset}.json"
     if not path.exists():
         raise FileNotFoundError(f"no shipped weights for preset {preset!r} at {path}; "
@@ -49,19 +61,33 @@ def read_manifest(preset: str, directory: pathlib.Path = WEIGHTS_DIR) -> dict:
     return json.loads(path.read_text())
 
 
-def load_model(preset: str = "target", device=None, dtype=torch.float32,
-               directory: pathlib.Path = WEIGHTS_DIR) -> GPT:
-    """Build the preset's GPT and load its shipped weights (checksum verified), in eval mode."""
+def load_tensors(preset: str, directory: pathlib.Path = WEIGHTS_DIR) -> tuple[dict, dict]:
+    """(float32 tensors, manifest) of a shipped checkpoint; its SHA-256 checked first, nothing unpickled."""
     manifest = read_manifest(preset, directory)
     path = pathlib.Path(directory) / f"{preset}.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing (its manifest {path.with_suffix('.json').name} is there)")
     digest = sha256_of(path)
     if digest != manifest["sha256"]:
         raise ChecksumError(f"{path.name}: SHA-256 {digest[:16]}... does not match the recorded "
                             f"{manifest['sha256'][:16]}...; the file is corrupt or not the shipped one")
+    return {k: v.float() for k, v in load_file(str(path)).items()}, manifest
+
+
+def check_dtype(dtype) -> None:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be a floating type (float32, float16, bfloat16), not {dtype}")
+
+
+def load_model(preset: str = "target", device=None, dtype=torch.float32,
+               directory: pathlib.Path = WEIGHTS_DIR) -> GPT:
+    """Build the preset's GPT and load its shipped weights (checksum verified), in eval mode."""
+    if preset in HEAD_PRESETS:
+        raise ValueError(f"{preset!r} is a speculative head, not a GPT: load it with minibatch.model.heads.load_head")
+    tensors, manifest = load_tensors(preset, directory)
+    check_dtype(dtype)
     model = GPT(GPTConfig(**manifest["config"]))
-    model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})
+    model.load_state_dict(tensors)
     return model.to(device=resolve_device(device), dtype=dtype).eval()
 
 

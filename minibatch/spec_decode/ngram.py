@@ -39,6 +39,7 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
 
 class NgramProposer(Proposer):
     method = "ngram"
+    sequential_passes = 0
 
     def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
         check_ngram_sizes(n_min, n_max)                    # now, not at the first step

@@ -16,19 +16,30 @@ costs it no extra target pass.
 The methods (``speculative_config={"method": ..., "num_speculative_tokens": k}``):
 * ``"ngram"``: prompt lookup (``ngram.py``), no model at all.
 * ``"draft"``: a small distilled model (``draft_model.py``) with its own paged cache.
+* ``"medusa"``: heads on the target's last hidden state (``medusa.py``), no extra model pass.
+* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache.
+* ``"eagle"``: one block drafting in feature space (``eagle.py``), its K/V one more layer of the target's cache.
+
+The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
+(``<method>.safetensors``, checksum verified), or from the directory ``speculative_config["model"]``.
 """
 from __future__ import annotations
 
 import abc
+import os
 
-METHODS = ("draft", "ngram")
+METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
+HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
-KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+        "acceptance", "posterior_threshold", "posterior_alpha"}      # the last three: typical.py (lossy, opt-in)
 
 
 class Proposer(abc.ABC):
     method: str = ""
     hidden_states: tuple = ()        # which of the target's hidden states it reads (GPT.forward's numbering)
+    sequential_passes = "k"          # draft passes one after the other per step ("k", or a number)
+    all_hidden = False               # True: hidden_states at every token of the step, not only the logits rows
 
     def __init__(self, k: int):
         self.k = k
@@ -40,10 +51,40 @@ class Proposer(abc.ABC):
     def free(self, seq) -> None:
         """Forget a sequence that finished or was preempted (its drafts are no longer wanted)."""
 
+    # A proposer that drafts inside the target's KV cache (early exit, EAGLE) asks the engine for room there:
+    extra_kv_layers = 0              # cache layers of its own, after the target's (EAGLE's head)
+
+    def num_scratch_blocks(self, max_num_seqs: int, block_size: int) -> int:
+        """Blocks past the allocator's pool for the K/V of positions it drafts (``scratch.py``)."""
+        return 0
+
+    def bind(self, allocator, kv_cache, first_scratch_block: int, num_scratch_blocks: int) -> None:
+        """Called once by the engine: the target's allocator (to read block tables) and its cache."""
+
 
 def proposal_budget(seq, k: int) -> int:
     """Proposal length for this step: never past max_tokens (the +1 is the bonus token)."""
     return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1))
+
+
+def hidden_rows(seqs, runner_output, scheduler_output) -> dict:
+    """seq id -> the row of the runner's hidden states that produced the sequence's newest token.
+
+    After a verify step that accepted a drafts it is ``logits_rows[b][a]``; after a decode or the last
+    prefill chunk, ``logits_rows[b][0]``. A child of n > 1 forked this step was not scheduled itself: it
+    shares its parent's prompt, so it reads the parent's (prefill) row. A sequence with no row this step
+    (not scheduled: the token budget ran out) is left out, and keeps the drafts it has."""
+    where = {s.seq.seq_id: b for b, s in enumerate(scheduler_output.scheduled)}
+    rows = {}
+    for seq in seqs:
+        b = where.get(seq.seq_id)
+        if b is not None and runner_output.logits_rows[b]:
+            rows[seq.seq_id] = runner_output.logits_rows[b][runner_output.num_accepted[b]]
+        elif b is None and seq.index > 0 and seq.num_output_tokens == 1:     # a fresh fork
+            pb = where.get(seq.request.seqs[0].seq_id)
+            if pb is not None and runner_output.logits_rows[pb]:
+                rows[seq.seq_id] = runner_output.logits_rows[pb][0]
+    return rows
 
 
 def check_speculative_config(spec_config) -> None:
@@ -59,9 +100,15 @@ def check_speculative_config(spec_config) -> None:
     k = spec_config.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    model = spec_config.get("model")
+    if model is not None and (method not in HEAD_METHODS or not isinstance(model, (str, os.PathLike))):
+        raise ValueError(f"speculative_config['model'] is a checkpoint directory for {list(HEAD_METHODS)}; got "
+                         f"{model!r} for method {method!r}")
     if method == "ngram":
         from minibatch.spec_decode.ngram import check_ngram_sizes
         check_ngram_sizes(spec_config.get("prompt_lookup_min", 1), spec_config.get("prompt_lookup_max", 3))
+    from minibatch.spec_decode.typical import check_typical_config
+    check_typical_config(spec_config)
 
 
 def make_proposer(spec_config, target, draft, engine_config):
@@ -72,6 +119,17 @@ def make_proposer(spec_config, target, draft, engine_config):
     if method == "ngram":
         from minibatch.spec_decode.ngram import NgramProposer
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))
+    if method in HEAD_METHODS:
+        from minibatch.model.heads import load_head
+        head = load_head(method, target, directory=spec_config.get("model"))
+        if method == "medusa":
+            from minibatch.spec_decode.medusa import MedusaProposer
+            return MedusaProposer(head, k)
+        if method == "eagle":
+            from minibatch.spec_decode.eagle import EagleProposer
+            return EagleProposer(target, head, k, engine_config)
+        from minibatch.spec_decode.early_exit import EarlyExitProposer
+        return EarlyExitProposer(target, head, k, engine_config)
     from minibatch.spec_decode.draft_model import DraftModelProposer
     if draft is None:
         from minibatch.model.weights import load_model

@@ -51,6 +51,10 @@ class SpecStats:
     num_steps: int = 0       # target forwards that verified drafts
     emitted: int = 0         # tokens those steps appended (accepted + one replacement or bonus each)
     steps_by_k: dict = field(default_factory=dict)   # {k: verify steps that checked k drafts}; k shrinks near the end
+    # by draft position i = 1, 2, ... (index i - 1): how often position i was *reached* (proposed, with positions
+    # 1 .. i-1 all accepted: only then does the target judge it) and how often it was accepted
+    reached_at: list = field(default_factory=list)
+    accepted_at: list = field(default_factory=list)
 
     def add(self, proposed: int, accepted: int, emitted: int) -> "SpecStats":
         """Count one verify step."""
@@ -63,6 +67,12 @@ class SpecStats:
         self.num_steps += 1
         self.emitted += emitted
         self.steps_by_k[proposed] = self.steps_by_k.get(proposed, 0) + 1
+        # a chain with a of k accepted: positions 1..a accepted, a + 1 rejected (if a < k), a + 2.. never judged
+        reached = min(proposed, accepted + 1)
+        for lst, n in ((self.reached_at, reached), (self.accepted_at, accepted)):
+            lst.extend([0] * (n - len(lst)))
+            for i in range(n):
+                lst[i] += 1
         return self
 
     def merge(self, other: "SpecStats") -> "SpecStats":
@@ -75,12 +85,28 @@ class SpecStats:
         self.emitted += other.emitted
         for k, n in other.steps_by_k.items():
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
+        for mine, theirs in ((self.reached_at, other.reached_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
         return self
 
     @property
     def acceptance_rate(self) -> float:
         """alpha = accepted / proposed (0.0 before anything was proposed)."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list:
+        """alpha_i for draft positions i = 1, 2, ...: P(position i accepted | positions 1 .. i-1 accepted), the
+        acceptance rate each position meets when the target actually judges it (EAGLE's "n-alpha", Li et al.
+        2024 §5.3). Independent acceptances would make it flat; Medusa's heads make it fall with i."""
+        return [a / r for a, r in zip(self.accepted_at + [0] * len(self.reached_at), self.reached_at)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens per verify step, the accepted drafts + the target's own token (EAGLE's tau)."""
+        return self.mean_tokens_per_step
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -100,5 +126,6 @@ class SpecStats:
     def to_dict(self) -> dict:
         counters = {name: getattr(self, name) for name in ("proposed", "accepted", "num_steps", "emitted")}
         return {**counters, "acceptance_rate": self.acceptance_rate,
+                "acceptance_by_position": self.acceptance_by_position,
                 "mean_tokens_per_step": self.mean_tokens_per_step,
                 "expected_tokens_per_step": self.expected_tokens_per_step}

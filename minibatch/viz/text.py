@@ -8,13 +8,15 @@
       waiting: E · running, not scheduled: D.1
 
 "kv a->b" is the sequence's cached tokens before and after the step (rejected
-draft tokens rolled back); "out" counts its generated tokens so far. No
+draft tokens rolled back); "out" counts its generated tokens so far; under
+speculation, "drafts 'kept'|'rejected'" shows what the proposer guessed. No
 matplotlib here: this module works wherever Python does.
 """
 from __future__ import annotations
 
 import sys
 
+from minibatch.model.tokenizer import decode
 from minibatch.trace import StepTrace
 from minibatch.viz.common import as_traces
 
@@ -41,6 +43,9 @@ def text_view(trace: StepTrace) -> str:
         line = f"  {s.seq_id:<{width}} {s.phase:<8} {s.num_tokens:>4} tok  kv {kv:<9} out {s.num_output_tokens}"
         if s.proposed:
             line += f"   spec {s.accepted}/{s.proposed} accepted" + (" + bonus" if s.bonus else "")
+            if s.draft_token_ids:          # the drafts, the kept ones before the bar: 'def|ault'
+                d = s.draft_token_ids
+                line += f"  drafts {decode(d[:s.accepted])!r}|{decode(d[s.accepted:])!r}"
         if s.seq_id in t.finished:
             line += "   finished"
         lines.append(line.rstrip())

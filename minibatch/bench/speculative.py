@@ -1,0 +1,159 @@
+"""Speculative decoding, every method side by side:  python -m minibatch.bench speculative
+
+One row per (sampling, batch size, method, k), each timed against plain decoding of the same prompts
+in this process, alternately (base, method, base, method, ...), so a slow spell of a shared machine
+hits both sides. Each row reports:
+
+* ``+params``: what the method adds to the served model (0 for prompt lookup; the whole draft model;
+  the heads or the adapter);
+* ``passes``: sequential draft passes per step (k for a draft model, EAGLE or early exit, which draft
+  one token per pass; 0 for prompt lookup and Medusa, whose heads read the verify pass's hidden state);
+* ``speedup``: output tokens/s over plain decoding, best round of each side, and the spread (lowest and
+  highest of the per-round ratios);
+* ``alpha`` (accepted / proposed) and ``alpha by position`` (position i judged only when 1 .. i-1 were
+  accepted; ``SpecStats.acceptance_by_position``), ``tau`` (tokens per verify step: the accepted drafts
+  + the target's own token) beside the i.i.d. ``formula`` (1 - a^(k+1)) / (1 - a) (Leviathan et al.
+  2023, Eq. 1), and ``out/fwd``: output tokens per target forward over every decode step of the run;
+* ``cost``: the proposer's time per step over a plain decode step's (measured from the step traces'
+  ``propose_duration``), and ``predicted`` = formula / (1 + cost), Leviathan et al.'s Theorem 3.8 with
+  k c measured as one number (a draft pass costs c, Medusa's heads cost a fraction of one).
+
+``--typical`` adds, at temperature 1, rows ``medusa-typ``: Medusa with typical acceptance (§2.3.1), which
+is LOSSY (its output is not distributed as the target's; ``spec_decode/typical.py``).
+
+All figures come from the step traces (``minibatch.stats.run_stats``), one definition each.
+"""
+from __future__ import annotations
+
+import time
+
+from minibatch.engine.llm import LLM
+from minibatch.stats import run_stats
+from minibatch.trace import TraceRecorder
+
+ALL_METHODS = ("draft", "ngram", "medusa", "eagle", "early_exit")
+
+
+def added_params(llm) -> tuple[int, str]:
+    """(parameters the method adds, sequential draft passes per step: "k" or a number)."""
+    prop = llm.llm_engine.proposer
+    for attr in ("model", "heads", "head", "adapter"):
+        mod = getattr(prop, attr, None)
+        if mod is not None and hasattr(mod, "parameters"):
+            n = sum(p.numel() for p in mod.parameters())
+            break
+    else:
+        n = 0
+    return n, getattr(prop, "sequential_passes", "k")
+
+
+def timed_pair(a, b, prompts, params, repeats=3):
+    """Output tokens/s of two engines on the same prompts, runs alternating (a, b, a, b, ...); each side keeps
+    its best run (as timeit does: noise only slows). Returns per side (tok/s, outputs, traces of the best
+    run, wall times of every run)."""
+    recs = [TraceRecorder(), TraceRecorder()]
+    for llm, rec in zip((a, b), recs):
+        llm.generate(prompts[:1], params, use_tqdm=False)                  # warm-up
+        llm.llm_engine.add_hook(rec)
+    best, outs, traces, walls = [float("inf")] * 2, [None, None], [None, None], [[], []]
+    for _ in range(repeats):
+        for i, llm in enumerate((a, b)):
+            recs[i].traces.clear()
+            t = time.perf_counter()
+            outs[i] = llm.generate(prompts, params, use_tqdm=False)        # greedy / seeded: same every run
+            walls[i].append(time.perf_counter() - t)
+            if walls[i][-1] < best[i]:
+                best[i], traces[i] = walls[i][-1], list(recs[i].traces)
+    for llm, rec in zip((a, b), recs):
+        llm.llm_engine.hooks.remove(rec)
+    n = [sum(len(o.outputs[0].token_ids) for o in out) for out in outs]
+    return [(n[i] / best[i], outs[i], traces[i], walls[i]) for i in range(2)]
+
+
+def _decode_step_time(traces) -> float:
+    """Mean duration of the steps that only decoded (no prefill in them): a plain decode step's cost."""
+    ds = [t.duration - t.propose_duration for t in traces
+          if t.scheduled and all(s.phase == "decode" for s in t.scheduled)]
+    return sum(ds) / len(ds) if ds else float("nan")
+
+
+def _propose_time(traces) -> float:
+    ps = [t.propose_duration for t in traces if t.scheduled and all(s.phase == "decode" for s in t.scheduled)]
+    return sum(ps) / len(ps) if ps else 0.0
+
+
+HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>9}{'passes':>7}{'tok/s':>8}{'base':>7}"
+          f"{'speedup':>8}{'spread':>11}{'alpha':>6}  {'alpha by position':<22}{'tau':>5}{'formula':>8}"
+          f"{'out/fwd':>8}{'cost':>6}{'predicted':>10}")
+
+
+def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain, extra=None):
+    llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1),
+              speculative_config={"method": method, "num_speculative_tokens": k, **(extra or {})})
+    if extra:
+        method = f"{method}-typ"                                             # typical acceptance: LOSSY
+    (base, _, base_tr, base_walls), (tps, outs, tr, walls) = timed_pair(plain, llm, prompts, params, repeats)
+    st = run_stats(tr)
+    ratios = [b / s for b, s in zip(base_walls, walls)]                     # same tokens: time ratio = speed ratio
+    alpha = st.get("acceptance_rate", 0.0)
+    by_pos = "/".join(f"{a:.2f}" for a in st.get("acceptance_by_position", [])) or "-"
+    tau = st.get("tokens_per_verify_step", 1.0)
+    formula = st.get("expected_tokens_per_verify_step", 1.0)
+    cost = _propose_time(tr) / _decode_step_time(base_tr)
+    predicted = formula / (1 + cost)
+    n_params, passes = added_params(llm)
+    passes = k if passes == "k" else int(passes)
+    row = dict(entropy=label, batch=bs, method=method, k=k, params=n_params, passes=passes, tps=tps, base=base,
+               speedup=tps / base, spread=(min(ratios), max(ratios)), alpha=alpha,
+               alpha_by_position=st.get("acceptance_by_position", []), tau=tau, formula=formula,
+               out_per_fwd=st.get("tokens_per_decode_forward") or 1.0, cost=cost, predicted=predicted)
+    print(f"{label:<8}{bs:>6}{method:>11}{k:>3}{n_params:>9,}{passes:>7}{tps:>8.1f}{base:>7.1f}{tps / base:>8.2f}"
+          f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11}{alpha:>6.2f}  {by_pos:<22}{tau:>5.2f}{formula:>8.2f}"
+          f"{row['out_per_fwd']:>8.2f}{cost:>6.2f}{predicted:>10.2f}", flush=True)
+    return row
+
+
+def bench_speculative(args) -> list:
+    from minibatch.engine.sampler import SamplingParams
+    from minibatch.model.data import val_documents
+    from minibatch.model.weights import load_model
+    model = load_model("target", device=args.device)
+    draft = load_model("draft", device=model.device)
+    methods = args.methods or [m for m in ALL_METHODS if _available(m)]
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+    print(f"device: {model.device}; target {model.num_params():,} parameters; methods {', '.join(methods)}")
+    docs = val_documents(32, min_len=600, seed=11)
+    prompts = [d[:160].decode("utf-8", "ignore") for d in docs]
+    print(f"each row: best of {args.repeats} runs, alternating with plain decoding (base) on the same code prompts; "
+          f"spread = lowest-highest per-round ratio;\nformula = (1 - a^(k+1)) / (1 - a); cost = proposer time per "
+          f"step / plain decode step; predicted = formula / (1 + cost) (Leviathan et al. 2023)")
+    print(HEADER)
+    rows = []
+    for temp, label in ((0.0, "low"), (1.0, "high")):
+        for bs in args.batch_sizes:
+            ps = prompts[:bs]
+            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0 if temp else None)
+            plain = LLM(model, max_num_seqs=max(bs, 1))
+            for method in methods:
+                for k in args.ks:
+                    if k > _max_k(method):
+                        continue
+                    rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain))
+                    if getattr(args, "typical", False) and method == "medusa" and temp > 0:
+                        rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
+                                              extra={"acceptance": "typical"}))
+    return rows
+
+
+def _available(method: str) -> bool:
+    from minibatch.model.weights import WEIGHTS_DIR
+    return method in ("draft", "ngram") or (WEIGHTS_DIR / f"{method}.safetensors").exists()
+
+
+def _max_k(method: str) -> int:
+    if method == "medusa":
+        from minibatch.model.weights import read_manifest
+        return read_manifest("medusa")["config"]["num_heads"]
+    return 16

@@ -1,0 +1,161 @@
+"""What each speculative head learns, and how it is scored on held-out code (``train_heads.py`` runs them).
+
+Every loss reads tensors the frozen target computed once (``train_heads.precompute``): tokens[W, S + 1] and
+hidden states {key: [W, S, C]} over W windows of S bytes; w and t (or idx) pick the windows and positions
+of a batch. The heads themselves are in ``heads.py``.
+
+* Medusa-1 (Cai et al. 2024 §2.1.1): head i at h_t learns token t + 2 + i, loss sum_i 0.8^i CE_i; with a
+  teacher head, the target's own distribution at t + 1 + i instead (self-distillation, §2.3.2).
+* Early exit (LayerSkip §3, Kangaroo §3.1): the adapter after E blocks learns the full target's distribution.
+* EAGLE (Li et al. 2024 §4.2): SmoothL1 to the next feature + 0.1 x CE to the target's distribution, with
+  uniform noise on the input features.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minibatch.model.train import batched_causal_attention
+
+MEDUSA_DECAY = 0.8                    # lambda_i = 0.8^i (Medusa §2.1.1)
+
+
+# -- Medusa ----------------------------------------------------------------------------------------------------------
+
+def medusa_loss(heads, toks, hidden, w, t, teacher_head=None):
+    """Sum over heads of 0.8^i x CE(head i at h_t, token t + 2 + i); w, t: [B] windows and positions.
+
+    With ``teacher_head`` (the target's tied head, ``--distill``): the label of head i is the target's own
+    distribution at position t + 1 + i (which predicts token t + 2 + i from the corpus prefix), a soft
+    cross-entropy (self-distillation, Medusa §2.3.2): the heads learn what the target would say, which is
+    what a verify pass accepts, instead of what the corpus says."""
+    logits = heads(hidden["final"][w, t].float())                    # [B, K, V]
+    K = logits.shape[1]
+    if teacher_head is None:
+        targets = toks[w[:, None], t[:, None] + 2 + torch.arange(K)]  # [B, K]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(-1, K)
+    else:
+        with torch.no_grad():
+            p = (hidden["final"][w[:, None], t[:, None] + 1 + torch.arange(K)].float() @ teacher_head.t()).softmax(-1)
+        ce = -(p * logits.log_softmax(-1)).sum(-1)                    # [B, K]
+    return (ce.mean(0) * MEDUSA_DECAY ** torch.arange(K)).sum()
+
+
+@torch.no_grad()
+def medusa_eval(heads, target, toks, hidden) -> dict:
+    """Top-1 / top-5 accuracy of each head on every held-out position that has its target token, and how often
+    its top-1 is the target's own argmax for that token (given the true prefix): what greedy decoding accepts."""
+    W, S, C = hidden["final"].shape
+    K = heads.num_heads
+    h = hidden["final"][:, : S - K - 1].reshape(-1, C).float()         # [W * (S-K-1), C]
+    logits = heads(h)                                                  # [N, K, V]
+    top5 = logits.topk(5, dim=-1).indices                              # [N, K, 5]
+    wte = target.wte.weight.t().float()
+    base = (h @ wte).argmax(-1)                                        # the target's own guess of t + 1
+    out = {"target_top1_t+1": (base == toks[:, 1: S - K].reshape(-1)).float().mean().item()}
+    for i in range(K):
+        y = toks[:, 2 + i: S - K + 1 + i].reshape(-1)
+        out[f"head{i}_top1_t+{2 + i}"] = (top5[:, i, 0] == y).float().mean().item()
+        out[f"head{i}_top5_t+{2 + i}"] = (top5[:, i] == y[:, None]).any(-1).float().mean().item()
+        teacher = (hidden["final"][:, 1 + i: S - K + i].reshape(-1, C).float() @ wte).argmax(-1)
+        out[f"head{i}_agrees_with_target"] = (top5[:, i, 0] == teacher).float().mean().item()
+    return out
+
+
+def medusa_batch(toks, hidden, K, batch, rng):
+    W, S = hidden["final"].shape[:2]
+    return (torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S - K - 1, batch)))
+
+
+# -- early exit -----------------------------------------------------------------------------------------------------
+
+def exit_loss(adapter, target, toks, hidden, w, t):
+    """Soft cross-entropy of the early exit (first E blocks + adapter + ln_f + head) against the full target."""
+    with torch.no_grad():
+        p = (hidden["final"][w, t].float() @ target.wte.weight.t()).softmax(-1)      # the target's p [B, V]
+    logq = adapter.logits(target, hidden[adapter.exit_layer][w, t].float()).log_softmax(-1)
+    return -(p * logq).sum(-1).mean()
+
+
+@torch.no_grad()
+def exit_eval(adapter, target, toks, hidden) -> dict:
+    """Held-out: how often the early exit's argmax is the target's (greedy acceptance), and sum_x min(p, q)
+    (the acceptance rate of one sampled draft at temperature 1, Leviathan et al. §3.1); with and without
+    the adapter, so the adapter's worth shows."""
+    E, C = adapter.exit_layer, hidden["final"].shape[-1]
+    x, h = hidden[E].reshape(-1, C).float(), hidden["final"].reshape(-1, C).float()
+    p = (h @ target.wte.weight.t()).softmax(-1)
+    out = {}
+    for name, logits in (("adapter", adapter.logits(target, x)), ("plain_exit", target.ln_f(x) @ target.wte.weight.t())):
+        q = logits.softmax(-1)
+        out[f"{name}_greedy_agreement"] = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
+        out[f"{name}_sampled_acceptance"] = torch.minimum(p, q).sum(-1).mean().item()
+    return out
+
+
+def position_batch(hidden, key, batch, rng):
+    W, S = hidden[key].shape[:2]
+    return torch.from_numpy(rng.integers(0, W, batch)), torch.from_numpy(rng.integers(0, S, batch))
+
+
+# -- EAGLE ----------------------------------------------------------------------------------------------------------
+
+EAGLE_CLS_WEIGHT = 0.1                # the CE term's weight beside the SmoothL1 on features (EAGLE §4.2)
+
+
+def eagle_forward(head, target, toks, hidden, w, idx, noise: float = 0.0):
+    """f^ [B, S, C] for entries at positions idx [B, S] of windows w [B]: entry p reads token p and f_{p-1}
+    (with uniform noise in [-noise, noise] added, EAGLE §4.2: drafting will feed it its own imperfect f^)."""
+    B, S = idx.shape
+    f_prev = hidden["final"][w[:, None], idx - 1].float()                          # [B, S, C]
+    if noise:
+        f_prev = f_prev + (torch.rand(f_prev.shape) * 2 - 1) * noise
+    out = head(target, toks[w[:, None], idx].reshape(-1), f_prev.reshape(B * S, -1), idx.reshape(-1),
+               batched_causal_attention(B, S), 0)
+    return out.view(B, S, -1)
+
+
+def eagle_loss(head, target, toks, hidden, w, idx, noise):
+    """SmoothL1(f^_p, f_p) + 0.1 x CE(head(f^_p), the target's distribution head(f_p)) (EAGLE §4.2)."""
+    f_hat = eagle_forward(head, target, toks, hidden, w, idx, noise)
+    f = hidden["final"][w[:, None], idx].float()
+    wte = target.wte.weight.t()
+    p = (f @ wte).softmax(-1)
+    cls = -(p * (f_hat @ wte).log_softmax(-1)).sum(-1).mean()
+    return F.smooth_l1_loss(f_hat, f) + EAGLE_CLS_WEIGHT * cls
+
+
+def eagle_batch(hidden, crop, batch, rng):
+    """Random windows and crops of ``crop`` positions, starting at 1 or later (entry p needs f_{p-1})."""
+    W, S = hidden["final"].shape[:2]
+    n = max(1, batch // crop)
+    w = torch.from_numpy(rng.integers(0, W, n))
+    start = torch.from_numpy(rng.integers(1, S - crop + 1, n))
+    return w, start[:, None] + torch.arange(crop)
+
+
+@torch.no_grad()
+def eagle_eval(head, target, toks, hidden) -> dict:
+    """Held-out, every position of every window: how often head(f^_p) has the target's argmax (greedy acceptance
+    of a first draft) and sum_x min(p, q) (sampled, temperature 1); and the same with every input feature one of
+    the head's own guesses (a pessimistic stand-in for drafts 2, 3, ...: EAGLE's feature drift)."""
+    W, S, C = hidden["final"].shape
+    wte, out = target.wte.weight.t(), {}
+    agree = {"first": [], "fed_own": []}
+    accept = {"first": [], "fed_own": []}
+    for i in range(0, W, 8):
+        w = torch.arange(i, min(i + 8, W))
+        idx = torch.arange(1, S).repeat(len(w), 1)
+        p = (hidden["final"][w[:, None], idx].float() @ wte).softmax(-1)
+        f_hat = eagle_forward(head, target, toks, hidden, w, idx)
+        fed = {"final": hidden["final"].clone()}
+        fed["final"][w[:, None], idx] = f_hat.half()                                # inputs: its own guesses
+        f_hat2 = eagle_forward(head, target, toks, fed, w, idx[:, 1:])
+        for name, fh, pp in (("first", f_hat, p), ("fed_own", f_hat2, p[:, 1:])):
+            q = (fh @ wte).softmax(-1)
+            agree[name].append((q.argmax(-1) == pp.argmax(-1)).float().flatten())
+            accept[name].append(torch.minimum(pp, q).sum(-1).flatten())
+    for name in agree:
+        out[f"{name}_greedy_agreement"] = torch.cat(agree[name]).mean().item()
+        out[f"{name}_sampled_acceptance"] = torch.cat(accept[name]).mean().item()
+    return out

@@ -1,0 +1,171 @@
+"""Speculative heads: small modules on top of the frozen target that guess its next tokens.
+
+A draft model is a second network with its own weights, cache and prefill. These heads are the
+other road (Cai et al. 2024; Li et al. 2024; Elhoushi et al. 2024): keep *one* model and add a
+little to it, reading what the target computes anyway.
+
+* ``MedusaHeads`` (Medusa-1, Cai et al. 2024, §2.1.1): K heads on the target's last hidden state
+  (after ``ln_f``). Head i is a residual block ``h + SiLU(W_i h + b_i)`` (W_i, b_i zero-initialised,
+  so it starts as the identity) and its own vocabulary projection (initialised from the tied LM
+  head); it predicts the token at t + 2 + i from h_t, where the target's own head predicts t + 1.
+  Trained with the backbone frozen, loss sum_i 0.8^i CE_i (§2.1.1's lambda_k).
+* ``ExitAdapter`` (early exit, LayerSkip / Kangaroo): a residual MLP on the target's state after E
+  blocks, so that the target's own first E layers + ln_f + head draft.
+* ``EagleHead`` (EAGLE, Li et al. 2024): fc(2C -> C) on (token embedding, target feature), one transformer
+  block, the target's head; trained on SmoothL1 to the next feature + 0.1 x CE to the target's distribution.
+
+Shapes: N = rows, C = n_embd, V = vocab_size, K = heads.
+Each module knows its ``config()`` (stored in the checkpoint's ``.json``) and is rebuilt from it by
+``load_head``, which verifies the SHA-256 first and unpickles nothing (``weights.load_tensors``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minibatch.model.weights import check_dtype, load_tensors, resolve_device
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, num_heads: int = 4):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.n_embd, self.vocab_size, self.num_heads = n_embd, vocab_size, num_heads
+        self.res = nn.ModuleList(nn.Linear(n_embd, n_embd) for _ in range(num_heads))
+        self.lm_head = nn.ModuleList(nn.Linear(n_embd, vocab_size, bias=False) for _ in range(num_heads))
+        for lin in self.res:                                   # identity at the start: h + SiLU(0) = h
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    @classmethod
+    def from_target(cls, target, num_heads: int = 4) -> "MedusaHeads":
+        """Fresh heads whose projections start as the target's tied LM head (so head i starts by guessing
+        t + 1 again, a far better start than random)."""
+        cfg = target.config
+        heads = cls(cfg.n_embd, cfg.vocab_size, num_heads)
+        for lin in heads.lm_head:
+            lin.weight.data.copy_(target.wte.weight.detach().float())
+        return heads.to(target.device)
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size,
+                "num_heads": self.num_heads}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h[N, C] (the target's ln_f output) -> logits[N, K, V]; head i guesses token t + 2 + i."""
+        return torch.stack([head(h + F.silu(res(h))) for res, head in zip(self.res, self.lm_head)], dim=1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class ExitAdapter(nn.Module):
+    """Early exit (LayerSkip, Elhoushi et al. 2024 §3; Kangaroo, Liu et al. 2024 §3.1): the target's first E
+    blocks draft, through this light adapter, then the target's own ln_f and tied head.
+
+    ``x_E + W2 GELU(W1 LN(x_E))`` on the residual stream after E blocks (W2 zero-initialised: it starts
+    as the plain early exit). It stands in for what blocks E .. L-1 would add. It has no attention of its
+    own, so it needs no K/V: the drafter's only K/V are those of the target's first E layers, which are the
+    target's own. Trained against the full target's distribution (soft cross-entropy), the target frozen."""
+    kind = "early_exit"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, exit_layer: int = 1, hidden: int = 256):
+        super().__init__()
+        if not isinstance(exit_layer, int) or exit_layer < 1:
+            raise ValueError(f"exit_layer must be an int >= 1, got {exit_layer!r}")
+        self.n_embd, self.vocab_size, self.exit_layer, self.hidden = n_embd, vocab_size, exit_layer, hidden
+        self.ln = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, hidden)
+        self.proj = nn.Linear(hidden, n_embd)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size,
+                "exit_layer": self.exit_layer, "hidden": self.hidden}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x[N, C], the residual stream after ``exit_layer`` blocks -> [N, C], a guess at the last block's."""
+        return x + self.proj(F.gelu(self.fc(self.ln(x)), approximate="tanh"))
+
+    def logits(self, target, x: torch.Tensor) -> torch.Tensor:
+        """[N, V]: the adapted state through the target's ln_f and tied LM head."""
+        return target.ln_f(self(x)) @ target.wte.weight.t()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class EagleHead(nn.Module):
+    """EAGLE (Li et al. 2024, §4.1): a one-block autoregressive head in the target's *feature* space.
+
+    Entry p reads concat(embedding of token p, the target's feature f_{p-1}) (the feature is the ln_f output
+    that feeds the LM head), maps it with fc(2C -> C), adds the target's position embedding of p, and runs one
+    transformer block (attending over the earlier entries: its K/V are one more layer of the target's paged
+    cache). The result f^_p is a guess of f_p, and the target's frozen tied head turns it into a guess of
+    token p + 1. Drafting feeds f^_p back in as the feature of the next entry: EAGLE drafts in feature space.
+    Token and position embeddings are the target's own, frozen and not stored here.
+
+    Entry p depends only on tokens 0 .. p (as the target's K/V at p do), so its K/V may sit in the target's
+    slot p and be shared by the prefix cache and by forks as the target's are. (EAGLE's paper indexes the same
+    entry by its feature: (f_p, token p + 1) -> f_{p+1}; the slot is one further here so that it is.)"""
+    kind = "eagle"
+
+    def __init__(self, n_embd: int = 256, vocab_size: int = 256, n_head: int = 4):
+        super().__init__()
+        from minibatch.model.model import Block, GPTConfig
+        self.n_embd, self.vocab_size, self.n_head = n_embd, vocab_size, n_head
+        self.fc = nn.Linear(2 * n_embd, n_embd)
+        self.block = Block(GPTConfig("eagle", n_layer=1, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size))
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "n_embd": self.n_embd, "vocab_size": self.vocab_size, "n_head": self.n_head}
+
+    def forward(self, target, token_ids, features, positions, attn, layer_idx: int) -> torch.Tensor:
+        """token_ids[T], features[T, C] (f_{p-1} of each entry p), positions[T] -> f^[T, C]."""
+        x = self.fc(torch.cat([target.wte(token_ids), features], dim=-1)) + target.wpe(positions)   # [T, C]
+        return self.block(x, layer_idx, attn)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter, "eagle": EagleHead}
+
+
+def build_head(config: dict) -> nn.Module:
+    config = dict(config)
+    kind = config.pop("kind", None)
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
+    return KINDS[kind](**config)
+
+
+def load_head(preset: str, target=None, device=None, dtype=torch.float32, directory=None):
+    """The shipped head ``preset`` ("medusa", ...), checksum verified, in eval mode, on the target's device
+    and dtype when a target is given. A head trained for another width or vocabulary is a clear error."""
+    kw = {} if directory is None else {"directory": directory}
+    tensors, manifest = load_tensors(preset, **kw)
+    head = build_head(manifest["config"])
+    if head.kind != preset:
+        raise ValueError(f"{preset}.json describes a {head.kind!r} head, not a {preset!r} one")
+    head.load_state_dict(tensors)
+    if target is not None:
+        cfg = target.config
+        if (head.n_embd, head.vocab_size) != (cfg.n_embd, cfg.vocab_size):
+            raise ValueError(f"the {preset} head reads width {head.n_embd} and vocabulary {head.vocab_size}; the "
+                             f"target has {cfg.n_embd} and {cfg.vocab_size}: it was trained for another model")
+        if getattr(head, "exit_layer", 0) >= cfg.n_layer:
+            raise ValueError(f"the early-exit adapter exits after {head.exit_layer} blocks; the target has only "
+                             f"{cfg.n_layer}")
+        if getattr(head, "n_head", cfg.n_head) != cfg.n_head:
+            raise ValueError(f"the EAGLE head has {head.n_head} attention heads; its K/V share the target's cache, "
+                             f"which holds {cfg.n_head}")
+        device, dtype = target.device, target.dtype
+    check_dtype(dtype)
+    head.manifest = manifest
+    return head.to(device=resolve_device(device), dtype=dtype).eval()

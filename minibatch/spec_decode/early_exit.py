@@ -1,0 +1,111 @@
+"""Early exit, self-speculative (LayerSkip, Elhoushi et al. 2024 §4; Kangaroo, Liu et al. 2024): the target's
+own first E layers draft.
+
+The draft is the target cut short: its first E blocks, a light adapter trained to stand in for the
+rest (``minibatch/model/heads.py`` ``ExitAdapter``), then the target's ln_f and tied LM head. So it adds
+only the adapter's parameters, and shares everything else with the target, *including the KV cache*:
+for every token the target has computed, what the draft's first E layers would compute is exactly what
+the target's first E layers did compute, and it lies in the target's blocks already. The drafter reads
+them in place through the target's block table: no prefill of its own, no cache of its own to keep in
+step, nothing to free.
+
+Each step it runs k passes of E blocks, one token per sequence each: the last sampled token, then its
+own drafts. Their K/V go to scratch blocks (``scratch.py``), never into the target's blocks.
+
+Which of LayerSkip's two variants this is (§4.2): **recompute**. The target's verify pass computes
+the drafted positions through all L layers again, although their first E layers' K/V equal what the
+drafter wrote. The reuse variant would write them into the target's own slots and start verification
+at layer E for them (its "exit query cache"), saving E/L of the verify's work on k of its k + 1 tokens;
+it needs the scheduler to hand out those slots before the verify step and a model call that starts
+mid-stack, and is left for later. What *is* reused here is the context: the drafter never recomputes
+or stores a single K/V of a computed token.
+
+Lossless at any temperature: the draft samples from its own q (the adapter's distribution at the
+request's temperature, top-k, top-p), which the rejection sampler gets with every draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from minibatch.engine.sampler import make_generator, probabilities
+from minibatch.kv.attention import AttentionMetadata, PagedAttention
+from minibatch.spec_decode.proposer import Proposer, proposal_budget
+from minibatch.spec_decode.scratch import ScratchTables, scratch_blocks_per_seq
+
+
+class EarlyExitProposer(Proposer):
+    method = "early_exit"
+
+    def __init__(self, target, adapter, k: int, engine_config):
+        super().__init__(k)
+        self.target, self.adapter, self.E = target, adapter, adapter.exit_layer
+        self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
+        self.target_allocator = self.scratch = None
+        self.generators: dict = {}
+        self._none = torch.zeros(0, dtype=torch.long, device=target.device)
+
+    def num_scratch_blocks(self, max_num_seqs: int, block_size: int) -> int:
+        return max_num_seqs * scratch_blocks_per_seq(block_size, self.k)
+
+    def bind(self, allocator, kv_cache, first_scratch_block: int, num_scratch_blocks: int) -> None:
+        # `allocator` is read only (block tables); the draft's K/V are the target's layers 0 .. E-1
+        self.target_allocator = allocator
+        self.scratch = ScratchTables(kv_cache, first_scratch_block, num_scratch_blocks, self.block_size,
+                                     range(self.E))
+
+    def _generator(self, seq):
+        """A seeded request drafts from its own seeded generator, so its output is reproducible in any batch."""
+        if seq.params.seed is not None and seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
+        return self.generators.get(seq.seq_id)
+
+    @torch.no_grad()
+    def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
+        todo = [(s, proposal_budget(s, self.k)) for s in seqs]
+        for seq, _ in todo:
+            seq.spec_token_ids, seq.spec_probs = [], None
+        todo = [(s, k) for s, k in todo if k > 0]
+        if not todo:
+            return
+        starts = [s.num_computed_tokens for s, _ in todo]           # m: the last sampled token sits at m
+        tables = self.scratch.tables([(self.target_allocator.block_table(s.seq_id), m, k)
+                                      for (s, k), m in zip(todo, starts)])
+        probs = [[] for _ in todo]
+        feed = [s.token_ids[m] for (s, _), m in zip(todo, starts)]
+        live = list(range(len(todo)))                                # who still drafts in this pass
+        for j in range(self.k):
+            logits = self._forward([feed[i] for i in live], [tables[i] for i in live],
+                                   [starts[i] + j for i in live])   # [B_live, V]
+            best = logits.argmax(-1).tolist()
+            nxt = []
+            for i, row, top in zip(live, logits, best):
+                seq, k = todo[i]
+                if seq.params.greedy:                                # greedy verify reads no q: skip building it
+                    tok = top
+                else:
+                    q = probabilities(row, seq.params)
+                    tok = int(torch.multinomial(q, 1, generator=self._generator(seq)))
+                    probs[i].append(q)
+                seq.spec_token_ids.append(tok)
+                feed[i] = tok
+                if len(seq.spec_token_ids) < k:
+                    nxt.append(i)
+            live = nxt
+            if not live:
+                break
+        for (seq, _), q in zip(todo, probs):
+            seq.spec_probs = torch.stack(q) if q else None           # greedy: one-hot, never read
+
+    def _forward(self, ids, tables, positions) -> torch.Tensor:
+        """One token per sequence at ``positions`` through the target's first E blocks (attending to the
+        target's K/V before it, the drafts' in scratch), the adapter, ln_f and the head -> logits[B, V]."""
+        dev, t = self.target.device, self.target
+        meta = AttentionMetadata.build(tables, positions, [1] * len(ids), self.block_size, dev)
+        attn = PagedAttention(self.scratch.kv_cache, meta, self.backend)
+        # logits at no row (the exit's own head is the adapter's): just the residual stream after E blocks
+        _, hs = t(torch.tensor(ids, device=dev), meta.positions, attn, logits_indices=self._none,
+                  hidden_states=(self.E,), exit_layer=self.E, all_hidden=True)
+        return self.adapter.logits(t, hs[self.E]).float().cpu()
+
+    def free(self, seq) -> None:
+        self.generators.pop(seq.seq_id, None)
