@@ -176,13 +176,13 @@ class Harness:
             assert s.num_computed_before == s.seq.num_computed_tokens, f"{s.seq.seq_id}: num_computed_before"
             assert s.num_new_tokens - len(s.spec_token_ids) <= s.seq.num_uncomputed_tokens, \
                 f"{s.seq.seq_id}: {s.num_new_tokens} new tokens, only {s.seq.num_uncomputed_tokens} uncomputed"
-        self.pool.check_invariants([s.seq_id for s in self.sched.running])
+        self.pool.check_invariants(self.sched.live_seq_ids())
         return out
 
     def step(self):
         out = self.schedule()
         self.sched.update_from_output(out, model_free_output(out))
-        self.pool.check_invariants([s.seq_id for s in self.sched.running])
+        self.pool.check_invariants(self.sched.live_seq_ids())
         return [(s.seq.seq_id, s.num_new_tokens, s.phase) for s in out.scheduled], [s.seq_id for s in out.preempted]
 
 
@@ -448,7 +448,7 @@ def test_random_workloads_keep_the_invariants(reqs, block_size, num_blocks, max_
             passed = [w.seq_id for w in h.sched.waiting if w in waiting and key(w) < key(a)]
             assert not passed, f"{a.seq_id} was admitted before {passed}, who came first ({policy})"
         h.sched.update_from_output(out, model_free_output(out))
-        h.pool.check_invariants([s.seq_id for s in h.sched.running])
+        h.pool.check_invariants(h.sched.live_seq_ids())
         assert len(h.sched.running) <= max_num_seqs, f"{len(h.sched.running)} running after the forks"
     assert not h.sched.has_unfinished(), "every request finishes"
     assert h.pool.num_free_blocks == num_blocks
