@@ -48,6 +48,7 @@ class EagleProposer(Proposer):
         self.target, self.head, self.layer = target, head, target.config.n_layer   # its cache layer: after the target's
         self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
         self.state: dict = {}            # seq id -> (entries written for positions < n, f_{n-1} [C])
+        self.finished: set = set()       # finished this step: their state goes once their entries are written
         self.generators: dict = {}
         self.target_allocator = self.scratch = None
 
@@ -91,6 +92,9 @@ class EagleProposer(Proposer):
                 seq.spec_token_ids, seq.spec_probs = [], None
                 drafting.append((seq, k))
         self._run(catch, drafting)
+        for sid in self.finished:       # their last entries are written: now forget them
+            self.state.pop(sid, None)
+        self.finished.clear()
 
     def _run(self, catch, drafting) -> None:
         """Pass 1: every catch-up entry and each drafter's entry m; passes 2 .. k: one drafted entry each."""
@@ -148,6 +152,11 @@ class EagleProposer(Proposer):
         return self.head(self.target, ids, feats, meta.positions, attn, self.layer)
 
     def free(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
+        """A preempted sequence is forgotten now; a finished one after this step's catch-up, which still writes
+        its last entries (from f_{c0-1}, kept in its state) into blocks the prefix cache may hand out again."""
         self.generators.pop(seq.seq_id, None)
+        if seq.status is SequenceStatus.FINISHED:
+            self.finished.add(seq.seq_id)
+        else:
+            self.state.pop(seq.seq_id, None)
 
