@@ -27,7 +27,8 @@ def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
         assert int(r[4].replace(",", "")) == {"draft": 297_600, "ngram": 0, "medusa": 525_312}[r[2]]
         tps, base, speedup = map(float, r[6:9])
         lo, hi = map(float, r[9].split("-"))
-        alpha, by_pos, tau, formula, out_fwd, cost, predicted = float(r[10]), r[11], *map(float, r[12:17])
+        alpha, tau, formula, out_fwd, cost, predicted = map(float, r[10:16])
+        by_pos = r[16]
         rounding = 0.005 + 0.05 / base * (1 + tps / base)     # tok/s are printed to 0.1, the ratio to 0.01
         assert abs(speedup - tps / base) <= rounding and lo <= hi and 0.0 <= alpha <= 1.0
         assert by_pos == "-" or (len(by_pos.split("/")) <= k and all(0 <= float(a) <= 1 for a in by_pos.split("/")))

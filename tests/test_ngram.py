@@ -116,9 +116,13 @@ def test_spec_stats_counts_and_merges():
     total = SpecStats().merge(a).merge(b)
     # the formula at alpha = 1/2, averaged over the steps' own k: two steps of k = 4, one of k = 2
     formula = (2 * (1 + 1 / 2 + 1 / 4 + 1 / 8 + 1 / 16) + (1 + 1 / 2 + 1 / 4)) / 3
-    assert total.to_dict() == pytest.approx({"proposed": 10, "accepted": 5, "num_steps": 3, "emitted": 8,
-                                             "acceptance_rate": 0.5, "mean_tokens_per_step": 8 / 3,
-                                             "expected_tokens_per_step": formula})
+    d = total.to_dict()
+    # by draft position: reached [3, 2, 1, 1] times (4/4, then 1 of 4 rejected at once, then 2/2), accepted [2, 2, 1, 0]
+    assert d.pop("acceptance_by_position") == pytest.approx([2 / 3, 1.0, 1.0, 0.0])
+    assert (total.reached_at, total.accepted_at) == ([3, 2, 1, 1], [2, 2, 1])
+    assert d == pytest.approx({"proposed": 10, "accepted": 5, "num_steps": 3, "emitted": 8,
+                               "acceptance_rate": 0.5, "mean_tokens_per_step": 8 / 3,
+                               "expected_tokens_per_step": formula})
     assert total.steps_by_k == {4: 2, 2: 1}
     assert (a.proposed, b.proposed) == (8, 2), "merge leaves its argument alone"
     assert SpecStats().acceptance_rate == 0.0 and SpecStats().mean_tokens_per_step == 0.0

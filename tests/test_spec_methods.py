@@ -89,6 +89,17 @@ def test_greedy_n2_and_requests_stopping_mid_draft(target_model, refs, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_greedy_and_sampled_requests_in_one_batch(target_model, refs, method):
+    # greedy rows draft one-hot (no q), sampled rows with q: one verify batch holds both
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, max_tokens=m, seed=i) for i, m in enumerate(MAX_TOKENS)]
+    outs, traces = run(target_model, method, 3, params=params)
+    assert all(o.outputs[0].token_ids == refs[i] for i, o in enumerate(outs) if i % 2)
+    assert any(len({s.seq_id for s in t.scheduled if s.proposed}) > 1 for t in traces)
+    again, _ = run(target_model, method, 3, params=params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs], "seeded: reproducible"
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_bad_k_is_rejected_at_construction(target_model, method):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(target_model, speculative_config={"method": method, "num_speculative_tokens": 17})
