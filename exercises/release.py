@@ -236,6 +236,14 @@ def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REP
         f"REMOVED = frozenset({{{names}}})\n")
     for nb in sorted((out / "notebooks").glob("*.ipynb")):
         _guard_notebook(nb)
+    readme = out / "exercises" / "README.md"
+    if readme.exists():
+        parts = ", ".join(f"{p.part} ({p.title})" for p in pieces)
+        readme.write_text(
+            f"> **Student release.** The reference of {parts} is not in `minibatch/` or `kernels/`: the engine runs "
+            f"your code there. A test or a notebook cell that needs a part you have not finished is skipped, saying "
+            f"which. (The instructors' tools described at the end, the mutants, the honesty test and the release "
+            f"builder, are not shipped.)\n\n" + readme.read_text())
     written = []
     if solutions is not None:
         solutions = Path(solutions)
