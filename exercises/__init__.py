@@ -16,9 +16,15 @@ stuck on one piece can go on to the next with the reference in its place:
 
 ``get(piece)`` returns the implementation under test; ``reference(piece)`` the
 one in ``minibatch/`` or ``kernels/``; ``patch_engine()`` makes the engine itself call yours.
+
+In a student release (``python -m exercises.release``) the reference of the parts it holds out is not in
+``minibatch/`` or ``kernels/`` at all: the engine calls the student's piece there (``call_student`` for a
+function, ``StudentsClass`` for a class), ``reference()`` raises ``ReferenceRemoved``, and a piece whose file
+still has an unwritten function raises ``Unfinished`` (a NotImplementedError) when the engine needs it.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -37,6 +43,7 @@ class Piece:
     module: str        # where the reference lives
     title: str         # for the grade table
     ref_func: str = ""  # the reference's name, where it differs from func
+    helpers: tuple = ()  # more reference definitions in ``module`` that a student release leaves out
 
     @property
     def reference_name(self) -> str:
@@ -55,7 +62,7 @@ PIECES = {p.name: p for p in (
           "block allocator"),
     Piece("scheduler", "ex7", "ex7_scheduler", "Scheduler", "minibatch.engine.scheduler", "scheduler step"),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
-          "paged decode kernel"),
+          "paged decode kernel", helpers=("_paged_decode_kernel",)),
 )}
 BY_PART = {p.part: p for p in PIECES.values()}
 
@@ -124,6 +131,25 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 _ORIGINALS: dict = {}      # piece -> the reference function, saved before patch_engine replaces it
 _LOADED: dict = {}         # (path, mtime) -> the student's module
 
+try:                       # written by exercises/release.py into a student release: the pieces held out
+    from exercises._release import REMOVED
+except ImportError:        # the instructor's repository: every reference is here
+    REMOVED = frozenset()
+
+
+class ReferenceRemoved(LookupError):
+    """The reference of a piece was asked for in a student release, which does not have it."""
+
+
+class Unfinished(NotImplementedError):
+    """The engine needs a piece whose file still has an unwritten function (a student release)."""
+
+    def __init__(self, piece_: "Piece", todo=()):
+        self.piece = piece_
+        super().__init__(f"this needs exercise {piece_.part[2:]} ({piece_.title}), which is not finished: in "
+                         f"exercises/{piece_.stem}.py, {', '.join(todo) or 'a function'} still "
+                         f"raise{'s' if len(todo) == 1 else ''} NotImplementedError")
+
 
 def piece(name: str) -> Piece:
     """A piece by name (``slot_mapping``) or by part (``ex1``); a ValueError names the valid ones."""
@@ -154,6 +180,9 @@ def student_dir() -> Path:
 def reference(name: str):
     """The reference implementation in minibatch/ (the original, even after patch_engine)."""
     p = piece(name)
+    if p.name in REMOVED:
+        raise ReferenceRemoved(f"{p.name} ({p.part}): its reference is not part of the student release; "
+                               f"minibatch/ calls your exercises/{p.stem}.py there")
     if p.name in _ORIGINALS:
         return _ORIGINALS[p.name]
     return getattr(importlib.import_module(p.module), p.reference_name)
@@ -182,9 +211,85 @@ def student(name: str):
 
 
 def get(name: str):
-    """The implementation under test: the student's if MINIBATCH_STUDENT selects the piece, else the reference."""
+    """The implementation under test: the student's if MINIBATCH_STUDENT selects the piece (or a student release
+    holds its reference out), else the reference."""
     p = piece(name)
-    return student(p.name) if p.name in selected() else reference(p.name)
+    return student(p.name) if p.name in selected() or p.name in REMOVED else reference(p.name)
+
+
+def unwritten(fn: ast.FunctionDef) -> bool:
+    """The function's body is its docstring and one statement saying it is not written yet:
+    ``raise NotImplementedError(...)``, or in a Triton kernel ``tl.static_assert(False, ...)``."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    if len(body) != 1:
+        return False
+    if isinstance(body[0], ast.Raise):
+        return "NotImplementedError" in ast.unparse(body[0])
+    call = body[0].value if isinstance(body[0], ast.Expr) else None
+    return (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("static_assert")
+            and bool(call.args) and ast.unparse(call.args[0]) == "False")
+
+
+def unfinished(name: str) -> list:
+    """The functions (or methods) of the student's file for ``name`` that are still unwritten stubs."""
+    path = student_dir() / f"{piece(name).stem}.py"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return []                        # loading it will say what is wrong
+    return [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and unwritten(n)]
+
+
+def _checked_student(name: str):
+    """The student's piece for the engine of a student release: Unfinished if a function of it is unwritten."""
+    p = piece(name)
+    todo = unfinished(p.name)
+    if todo:
+        raise Unfinished(p, todo)
+    return student(p.name)
+
+
+def call_student(name: str, *args, **kwargs):
+    """What a student release's ``minibatch/`` (or ``kernels/``) calls in place of a held-out reference function."""
+    p = piece(name)
+    fn = _checked_student(p.name)
+    if getattr(fn, "_held_out", None) == p.name:
+        raise RuntimeError(f"exercises/{p.stem}.py hands the call back to {p.module}.{p.reference_name}, which in "
+                           f"the student release is your own {p.func}: write it")
+    return fn(*args, **kwargs)
+
+
+class StudentsClass(type):
+    """Metaclass of a held-out class in a student release (``class BlockAllocator(BlockAllocatorBase,
+    metaclass=StudentsClass, piece="block_allocator")``): the class is an empty stand-in at import, so importing
+    the engine runs no student code; building one (or one of a subclass, e.g. ``StaticScheduler``) builds it
+    over the student's class, loaded then: ``class X(stand-in, student's class)``."""
+
+    def __new__(mcls, name, bases, namespace, piece: str = ""):
+        cls = super().__new__(mcls, name, bases, namespace)
+        if piece:
+            cls._held_out = piece
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        impl = _checked_student(cls._held_out)
+        if isinstance(impl, StudentsClass):
+            p = piece(cls._held_out)
+            raise RuntimeError(f"exercises/{p.stem}.py hands back {p.module}.{p.func}, which in the student release "
+                               f"is your own class: write {p.func}, a subclass of the given base class")
+        if impl in cls.__mro__:
+            return super().__call__(*args, **kwargs)
+        key = (cls, impl)
+        if key not in _BUILT:
+            _BUILT[key] = type(cls.__name__, (cls, impl), {"__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__, "student": impl})
+        return _BUILT[key](*args, **kwargs)
+
+
+_BUILT: dict = {}          # (stand-in class, student's class) -> the class built over both
 
 
 class EnginePatch:
@@ -216,7 +321,7 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
     Attention: the student's paged attention runs only with ``attention_backend="loop"``.
     """
     patch = EnginePatch()
-    for name in sorted(selected(spec)):
+    for name in sorted(selected(spec) - set(REMOVED)):      # held out of a release: the engine calls them already
         new = student(name)          # load first: a broken file fails before anything is changed
         ref = reference(name)
         _ORIGINALS.setdefault(name, ref)
@@ -239,4 +344,5 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
 
 
 __all__ = ["PIECES", "Piece", "get", "reference", "student", "selected", "student_dir", "patch_engine",
-           "EnginePatch", "piece"]
+           "EnginePatch", "piece", "REMOVED", "ReferenceRemoved", "Unfinished", "unfinished", "unwritten",
+           "call_student", "StudentsClass", "static_over"]

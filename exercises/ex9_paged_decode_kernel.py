@@ -46,7 +46,8 @@ Triton in ten lines (https://triton-lang.org, "triton.language"):
     set by tests/conftest.py), where ``print(x)`` inside the kernel works; ``tl.device_print("x", x)``
     works everywhere.
 
-The reference is ``kernels/paged_decode.py`` (read ``kernels/README.md``); try without it first.
+``kernels/README.md`` explains the kernels; the general one, ``kernels/paged_attention.py``, does this and
+more (a student release leaves the reference decode kernel out of ``kernels/paged_decode.py``).
 
 Run the tests:  MINIBATCH_STUDENT=paged_decode python -m pytest tests/exercises -m ex9
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import exercises
-from exercises import _harness
+from exercises import _harness, unwritten
 
 PKG = Path(exercises.__file__).resolve().parent
 MUTANTS = sorted((PKG / "mutants").glob("*.py"))
@@ -28,22 +28,6 @@ COMMON = ["-q", "-p", "no:cacheprovider", str(_harness.TESTS)]
 def mutant_piece(path: Path):
     hits = [p for p in exercises.PIECES.values() if path.stem.startswith(p.name + "_")]
     return max(hits, key=lambda p: len(p.name)) if hits else None
-
-
-def unwritten(fn: ast.FunctionDef) -> bool:
-    """The function's body is its docstring and one statement saying it is not written yet:
-    ``raise NotImplementedError(...)``, or in a Triton kernel ``tl.static_assert(False, ...)``."""
-    body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
-    if len(body) != 1:
-        return False
-    if isinstance(body[0], ast.Raise):
-        return "NotImplementedError" in ast.unparse(body[0])
-    call = body[0].value if isinstance(body[0], ast.Expr) else None
-    return (isinstance(call, ast.Call) and ast.unparse(call.func).endswith("static_assert")
-            and bool(call.args) and ast.unparse(call.args[0]) == "False")
 
 
 def untouched(p) -> bool:

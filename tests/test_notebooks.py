@@ -25,16 +25,22 @@ NOTEBOOKS = ["01_model_and_generation.ipynb", "02_paged_kv_cache.ipynb", "03_con
              "04_speculative_decoding.ipynb", "05_triton_kernels.ipynb", "06_speculation_without_a_second_model.ipynb"]
 TIMEOUT_S = 300          # each takes ~5-15 s on a 2-core CPU; this only catches a hang
 
-# Runs in the child process: argv[1] is the notebook's file name.
+# Runs in the child process: argv[1] is the notebook's file name. In a student release the first cell switches
+# on exercises.notebook's guard (a cell that needs an unfinished exercise is skipped), which Jupyter applies
+# through IPython; here the runner applies it.
 RUNNER = r"""
-import json, sys, time
+import ast, json, sys, time
 nb = json.load(open(sys.argv[1], encoding="utf-8"))
 ns = {"__name__": "__main__"}
 for i, cell in enumerate(nb["cells"]):
     if cell["cell_type"] != "code":
         continue
     t = time.perf_counter()
-    exec(compile("".join(cell["source"]), f"<{sys.argv[1]} cell {i}>", "exec"), ns)
+    tree = ast.parse("".join(cell["source"]), f"<{sys.argv[1]} cell {i}>")
+    guard = sys.modules.get("exercises.notebook")
+    if guard is not None and guard.ACTIVE:
+        tree = guard.guard(tree)
+    exec(compile(tree, f"<{sys.argv[1]} cell {i}>", "exec"), ns)
     if "matplotlib.pyplot" in sys.modules:            # as if each cell's figures had been shown
         sys.modules["matplotlib.pyplot"].close("all")
     print(f"[cell {i}: {time.perf_counter() - t:.2f} s]", flush=True)

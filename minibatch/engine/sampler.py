@@ -79,9 +79,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
     x = logits.float() / params.temperature
-    flat = x.reshape(-1, x.shape[-1])
-    flat = torch.stack([apply_top_k_top_p(row, params.top_k, params.top_p) for row in flat])
-    return flat.softmax(-1).view(x.shape)
+    if (params.top_k and params.top_k > 0) or params.top_p < 1.0:      # a filter is asked for
+        flat = x.reshape(-1, x.shape[-1])
+        x = torch.stack([apply_top_k_top_p(row, params.top_k, params.top_p) for row in flat]).view(x.shape)
+    return x.softmax(-1)
 
 
 def make_generator(seed: Optional[int], device="cpu") -> Optional[torch.Generator]:

@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
@@ -553,18 +554,26 @@ def test_random_operations_without_prefix_caching():
 
 
 # -- the engine on your allocator ------------------------------------------------------------------------
+def slots(block_tables, starts, counts, block_size, device="cpu"):
+    """The engine's slot mapping (exercise 1's formula), here so that this part needs no other part of yours."""
+    return torch.tensor([t[p // block_size] * block_size + p % block_size for t, s, n in zip(block_tables, starts, counts)
+                         for p in range(s, s + n)], dtype=torch.int64).to(device)
+
+
 def _engine_outputs(model, prompts, params, **cfg):
     """LLM on the allocator under test, with a toy scheduler (below) so that this part needs only yours."""
     import minibatch.engine.engine as engine
+    import minibatch.kv.attention as attention
     from minibatch import LLM
-    saved = engine.BlockAllocator, engine.Scheduler
+    saved = engine.BlockAllocator, engine.Scheduler, attention._slot_mapping
     engine.BlockAllocator, engine.Scheduler = exercises.get("block_allocator"), _one_at_a_time()
+    attention._slot_mapping = slots
     try:
         llm = LLM(model, **cfg)
         outs = llm.generate(prompts, params, use_tqdm=False)
         a = llm.llm_engine.allocator
     finally:
-        engine.BlockAllocator, engine.Scheduler = saved
+        engine.BlockAllocator, engine.Scheduler, attention._slot_mapping = saved
     a.check_invariants([])
     assert a.num_free_blocks == a.num_blocks, "blocks leaked after every request finished"
     return outs, a
@@ -572,7 +581,7 @@ def _engine_outputs(model, prompts, params, **cfg):
 
 def _one_at_a_time():
     """A toy scheduler, far simpler than exercise 7's: one request at a time (with its forks), the whole prompt
-    in one step, then one decode step (1 + drafts) per token; it never preempts (the pools here are big enough)."""
+    in one step, then one decode step per token; it never preempts (the pools here are big enough)."""
     from minibatch.engine.scheduler import ScheduledSeq, SchedulerBase
 
     class OneAtATime(SchedulerBase):
@@ -583,10 +592,8 @@ def _one_at_a_time():
                 out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed_tokens, seq.num_computed_tokens, seq.phase))
                 return
             for seq in list(self.running):
-                spec = list(seq.spec_token_ids)
-                out.cow_copies += self.allocator.append_slots(seq.seq_id, 1 + len(spec))
-                out.scheduled.append(ScheduledSeq(seq, 1 + len(spec), seq.num_computed_tokens, seq.phase,
-                                                  spec_token_ids=spec))
+                out.cow_copies += self.allocator.append_slots(seq.seq_id, 1)
+                out.scheduled.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, seq.phase))
     return OneAtATime
 
 
@@ -595,7 +602,8 @@ PREAMBLE = "import os\nimport sys\n\n# shared header for prefix caching\n"    # 
 
 def test_the_engine_generates_the_same_text_on_your_allocator(target_model):
     """Prefix-cache hits on freed blocks (the shared header), forks (n = 2: copy-on-write of the last prompt
-    block), speculative drafts rolled back (truncate) and a pool small enough to evict cached blocks."""
+    block) and a pool small enough to evict cached blocks. (Greedy, the "batched" attention, no speculation:
+    nothing here needs another exercise of yours.)"""
     from minibatch import SamplingParams
     from minibatch.model.reference import generate
     from minibatch.model.tokenizer import encode
@@ -605,8 +613,7 @@ def test_the_engine_generates_the_same_text_on_your_allocator(target_model):
     params = [SamplingParams(temperature=0, max_tokens=m, n=2 if i == 1 else 1) for i, m in enumerate(lengths)]
     want = [generate(target_model, encode(p), SamplingParams(temperature=0, max_tokens=m))[0]
             for p, m in zip(prompts, lengths)]
-    outs, a = _engine_outputs(target_model, prompts, params, block_size=16, num_gpu_blocks=10,
-                              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs, a = _engine_outputs(target_model, prompts, params, block_size=16, num_gpu_blocks=10)
     for o, w in zip(outs, want):
         for c in o.outputs:
             assert c.token_ids == w, f"request {o.request_id}: the engine's text differs from generation without a cache"

@@ -1,0 +1,279 @@
+"""Build a student release: ``python -m exercises.release OUT_DIR [--parts ex1,ex6] [--solutions DIR]``.
+
+A copy of this repository for students, in which the reference of every chosen part is gone:
+
+* in ``minibatch/`` and ``kernels/`` the reference definition of each part is cut out. A function is replaced
+  by a stand-in with the same signature and docstring that calls the student's (``exercises.call_student``);
+  a class (the block allocator, the scheduler) by an empty stand-in whose instances are built over the
+  student's class (``exercises.StudentsClass``); a helper the student writes too (ex9's kernel) is deleted.
+  So the engine, the notebooks and the benchmarks run on the student's code, and a student file that
+  re-exports the engine's name gets the stand-in back, which says so instead of passing;
+* ``exercises/_release.py`` lists the parts held out: ``exercises.reference()`` refuses them, and a test
+  outside ``tests/exercises`` (and a notebook cell) that reaches an unfinished one is skipped, saying which;
+* the graded tests are the instructor's own: they compare with independent oracles (they never call the
+  reference) and pass on the instructor's solutions; the grader (``python -m exercises.grade``) comes along;
+* instructor-only files stay behind: the mutants, this builder, the honesty test, the grader's crash tests
+  and the release's own test (``INSTRUCTOR_ONLY``);
+* each notebook gets a first cell that switches on ``exercises.notebook``'s guard.
+
+``--solutions DIR`` also writes the instructor's solutions there, one student file per part: the stub with
+every unwritten function replaced by the reference's definition (renamed where the names differ, with the
+imports it needs). Keep them out of the release; grade them in it to check the release
+(``python -m exercises.grade --student-dir DIR`` inside OUT_DIR scores full marks).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import exercises
+
+REPO = Path(__file__).resolve().parent.parent
+INSTRUCTOR_ONLY = ("exercises/mutants/", "exercises/release.py", "tests/test_exercise_honesty.py",
+                   "tests/test_grader.py", "tests/test_release.py")
+SKIP_PARTS = {"__pycache__", ".git", ".pytest_cache", ".hypothesis", ".ipynb_checkpoints"}
+GUARD_CELL = ["# Student release: a cell that needs an exercise you have not finished is skipped, with a message\n",
+              "# saying which, and the notebook goes on (exercises/notebook.py).\n",
+              "import exercises.notebook\n",
+              "\n",
+              "exercises.notebook.skip_unfinished_cells()"]
+
+
+def module_path(p: exercises.Piece) -> str:
+    return p.module.replace(".", "/") + ".py"
+
+
+def held_out(p: exercises.Piece) -> list:
+    """The names of the reference definitions a release cuts out of ``p.module``."""
+    return [p.reference_name, *p.helpers]
+
+
+def tracked_files(root: Path) -> list:
+    """The repository's files (git's view when there is one: tracked and new, not ignored), relative paths."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, check=True).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()]
+    return sorted(f for f in files if (root / f).is_file() and not SKIP_PARTS & set(Path(f).parts)
+                  and not f.endswith((".pyc", ".egg-info")) and ".egg-info/" not in f)
+
+
+def _definitions(tree: ast.Module) -> dict:
+    return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def _span(node) -> tuple:
+    """(first line, last line), 1-based, of a definition with its decorators."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
+
+
+def _call_args(args: ast.arguments) -> str:
+    out = [a.arg for a in args.posonlyargs + args.args]
+    if args.vararg:
+        out.append("*" + args.vararg.arg)
+    out += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+    if args.kwarg:
+        out.append("**" + args.kwarg.arg)
+    return ", ".join(out)
+
+
+def _stand_in_function(lines: list, node: ast.FunctionDef, p: exercises.Piece) -> str:
+    """The def line(s) and docstring of the reference, and a body that calls the student's function."""
+    body0 = node.body[0]
+    has_doc = isinstance(body0, ast.Expr) and isinstance(body0.value, ast.Constant) and isinstance(body0.value.value, str)
+    head = "".join(lines[node.lineno - 1:body0.lineno - 1])
+    doc = "".join(lines[body0.lineno - 1:body0.end_lineno]) if has_doc else ""
+    return (f"{head}{doc}"
+            f"    # held out of the student release: the engine calls yours, exercises/{p.stem}.py\n"
+            f"    import exercises\n"
+            f"    return exercises.call_student({p.name!r}, {_call_args(node.args)})\n\n\n"
+            f"{node.name}._held_out = {p.name!r}\n")
+
+
+def _stand_in_class(node: ast.ClassDef, p: exercises.Piece) -> str:
+    bases = ", ".join(ast.unparse(b) for b in node.bases)
+    first = (ast.get_docstring(node) or "").split("\n")[0]
+    return (f"# -- held out of the student release ------------------------------------------------------------\n"
+            f"# The reference {node.name} is not here: the engine builds yours, the class {p.func} in\n"
+            f"# exercises/{p.stem}.py (a subclass of {bases}).\n"
+            f"from exercises import StudentsClass as _StudentsClass  # noqa: E402\n\n\n"
+            f"class {node.name}({bases}, metaclass=_StudentsClass, piece={p.name!r}):\n"
+            f"    \"\"\"{first}\n\n    Building one builds yours, from exercises/{p.stem}.py.\"\"\"\n")
+
+
+def cut(source: str, p: exercises.Piece) -> str:
+    """``source`` (the piece's module) with the piece's reference definitions replaced by stand-ins."""
+    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    defs = _definitions(tree)
+    for name in held_out(p):
+        if name not in defs:
+            raise ValueError(f"{p.name}: {name} is not defined at the top of {p.module}")
+    for name in sorted(held_out(p), key=lambda n: -defs[n].lineno):          # bottom up: line numbers hold
+        node = defs[name]
+        first, last = _span(node)
+        if name != p.reference_name:
+            new = (f"# {name}: held out of the student release (you write it in exercises/{p.stem}.py)\n")
+        elif isinstance(node, ast.ClassDef):
+            new = _stand_in_class(node, p)
+        else:
+            new = _stand_in_function(lines, node, p)
+        lines[first - 1:last] = [new]
+    out = "".join(lines)
+    ast.parse(out)
+    return out
+
+
+# -- the instructor's solutions -------------------------------------------------------------------------------
+def _free_names(node) -> set:
+    """Names a definition reads that it does not bind itself (its globals, roughly)."""
+    bound = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            bound.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n is not node:
+            bound.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in n.names}
+    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {x for x in used - bound if not hasattr(builtins, x)}
+
+
+def _top_names(tree: ast.Module) -> set:
+    names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.Assign):
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def solution(p: exercises.Piece, root: Path = REPO) -> str:
+    """The student file of ``p`` with every unwritten function replaced by the reference's own definition."""
+    stub = (root / "exercises" / f"{p.stem}.py").read_text()
+    ref_src = (root / module_path(p)).read_text()
+    ref_tree, ref_lines = ast.parse(ref_src), ref_src.splitlines(keepends=True)
+    ref_defs = _definitions(ref_tree)
+    tree, lines = ast.parse(stub), stub.splitlines(keepends=True)
+    todo = []                                     # (stub node, reference node, name in the stub)
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef) and exercises.unwritten(n):
+            ref_name = p.reference_name if n.name == p.func else n.name
+            todo.append((n, ref_defs[ref_name], n.name))
+        elif isinstance(n, ast.ClassDef):
+            ref_methods = {m.name: m for m in ref_defs[p.reference_name].body if isinstance(m, ast.FunctionDef)}
+            todo += [(m, ref_methods[m.name], m.name) for m in n.body
+                     if isinstance(m, ast.FunctionDef) and exercises.unwritten(m)]
+    needed = set()
+    for stub_node, ref_node, name in sorted(todo, key=lambda t: -t[0].lineno):
+        first, last = _span(ref_node)
+        text = "".join(ref_lines[first - 1:last])
+        if ref_node.name != name:
+            text = text.replace(f"def {ref_node.name}(", f"def {name}(", 1)
+        s_first, s_last = _span(stub_node)
+        lines[s_first - 1:s_last] = [text]
+        needed |= _free_names(ref_node)
+    missing = sorted(needed - _top_names(tree) - {p.func})
+    missing = [x for x in missing if x in _top_names(ref_tree) or x in _definitions(ref_tree)]
+    out = "".join(lines)
+    if missing:
+        last_import = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+        out_lines = out.splitlines(keepends=True)
+        out_lines.insert(last_import, f"from {p.module} import {', '.join(missing)}  # noqa: F401 (the solution's)\n")
+        out = "".join(out_lines)
+    head = f'"""Solution (instructor\'s copy, not for students): exercise {p.part[2:]}, {p.title}.\n\n'
+    out = out.replace('"""', head, 1) if out.startswith('"""') else head + '"""\n' + out
+    ast.parse(out)
+    return out
+
+
+# -- building ---------------------------------------------------------------------------------------------------
+def _guard_notebook(path: Path) -> None:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    code = next((c for c in nb["cells"] if c["cell_type"] == "code"), None)
+    cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": list(GUARD_CELL)}
+    if code is not None and "id" in code:
+        cell["id"] = "student-release-guard"
+    first = 1 if nb["cells"] and nb["cells"][0]["cell_type"] == "markdown" else 0
+    nb["cells"].insert(first, cell)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REPO, force: bool = False) -> dict:
+    """Write the release to ``out``; returns {"pieces": [...], "files": n, "solutions": [...]}."""
+    pieces = [exercises.PIECES[n] for n in sorted(exercises.selected("all" if not parts else parts),
+                                                  key=lambda n: int(exercises.PIECES[n].part[2:]))]
+    out = Path(out).resolve()
+    if out == root.resolve() or out in root.resolve().parents:
+        raise ValueError(f"refusing to write the release over the repository itself ({out})")
+    if out.exists():
+        if not force and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not empty (--force replaces it)")
+        shutil.rmtree(out)
+    files = [f for f in tracked_files(root) if not f.startswith(INSTRUCTOR_ONLY)]
+    for f in files:
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / f, out / f)
+    for p in pieces:
+        target = out / module_path(p)
+        target.write_text(cut(target.read_text(), p))
+    names = ", ".join(repr(p.name) for p in pieces)
+    (out / "exercises" / "_release.py").write_text(
+        '"""Written by exercises/release.py: the parts whose reference this student release leaves out."""\n'
+        f"REMOVED = frozenset({{{names}}})\n")
+    for nb in sorted((out / "notebooks").glob("*.ipynb")):
+        _guard_notebook(nb)
+    readme = out / "exercises" / "README.md"
+    if readme.exists():
+        parts = ", ".join(f"{p.part} ({p.title})" for p in pieces)
+        readme.write_text(
+            f"> **Student release.** The reference of {parts} is not in `minibatch/` or `kernels/`: the engine runs "
+            f"your code there. A test or a notebook cell that needs a part you have not finished is skipped, saying "
+            f"which. (The instructors' tools described at the end, the mutants, the honesty test and the release "
+            f"builder, are not shipped.)\n\n" + readme.read_text())
+    written = []
+    if solutions is not None:
+        solutions = Path(solutions)
+        solutions.mkdir(parents=True, exist_ok=True)
+        for p in pieces:
+            (solutions / f"{p.stem}.py").write_text(solution(p, root))
+            written.append(p.stem)
+    return {"pieces": [p.name for p in pieces], "files": len(files), "solutions": written}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m exercises.release", description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the directory to write the release to (new, or empty; --force replaces it)")
+    ap.add_argument("--parts", help="parts to hold out (ex1,ex6 or piece names; default: all)")
+    ap.add_argument("--solutions", metavar="DIR", help="also write the instructor's solutions here (keep them apart)")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    args = ap.parse_args(argv)
+    try:
+        info = build(Path(args.out), args.parts, Path(args.solutions) if args.solutions else None, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"student release in {args.out}: {info['files']} files; held out: {', '.join(info['pieces'])}")
+    if info["solutions"]:
+        print(f"instructor's solutions in {args.solutions}: {', '.join(s + '.py' for s in info['solutions'])}")
+    print(textwrap.dedent(f"""\
+        next: check it (cd {args.out} && python -m exercises.grade: every part scores 0;
+              python -m exercises.grade --student-dir {args.solutions or 'SOLUTIONS'}: full marks), then hand it out"""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
