@@ -95,10 +95,7 @@ def ancestor_mask(parents) -> torch.Tensor:
 def mask_bits(parents) -> list:
     """The mask as one int64 per node: bit j of row i set = node i sees node j (the kernels' form).
     Bit 63 is the sign bit of an int64, so a row that has it set is stored as a negative number."""
-    rows = []
-    for i in range(len(parents)):
-        bits = (rows[parents[i]] if i else 0) | (1 << i)
-        rows.append(bits)
+    rows = [sum(1 << j for j in range(len(row)) if row[j]) for row in ancestor_mask(parents).tolist()]
     return [b - (1 << 64) if b >= 1 << 63 else b for b in rows]
 
 
