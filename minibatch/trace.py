@@ -36,10 +36,14 @@ class SeqStep:
     priority: int = 0
     proposed: int = 0               # speculative decoding: draft tokens verified this step
     accepted: int = 0               # ... of which accepted; a verify step then emits accepted + 1 tokens:
-    bonus: int = 0                  # 1 if every draft was accepted, so the +1 is a bonus token from the
-                                    # target's next position; 0 with proposed > 0: it is a correction token
+    bonus: int = 0                  # 1 if every draft was accepted (a tree: the path reached a leaf), so the +1
+                                    # is a bonus token from the target's next position; 0 with proposed > 0:
+                                    # it is a correction token
     new_token_ids: list = field(default_factory=list)   # tokens appended this step (may be empty mid-prefill)
     draft_token_ids: list = field(default_factory=list) # the drafts verified this step (the first `accepted` kept)
+    draft_parents: list = field(default_factory=list)   # a token tree: parents of [root] + drafts ([] = a chain;
+                                                        # spec_decode/tree.py), so draft i is node i + 1
+    accepted_path: list = field(default_factory=list)   # a tree: the accepted nodes [0, c1, ..., c_accepted]
 
 
 @dataclass
@@ -110,12 +114,18 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
     """The trace of the step just taken, from the scheduler's output, the runner's and the state after."""
     a, sched = engine.allocator, engine.scheduler
     steps = []
-    for s, toks, acc in zip(out.scheduled, runner_output.sampled_token_ids, runner_output.num_accepted):
+    paths = runner_output.accepted_paths or [[] for _ in out.scheduled]
+    for s, toks, acc, path in zip(out.scheduled, runner_output.sampled_token_ids, runner_output.num_accepted, paths):
         k = len(s.spec_token_ids)
+        if s.spec_parents is not None:        # a tree: the +1 is a bonus when the accepted path reached a leaf
+            bonus = int(k > 0 and path[-1] not in s.spec_parents)
+        else:
+            bonus = int(k > 0 and acc == k)
         steps.append(SeqStep(s.seq.seq_id, s.seq.request_id, s.phase, s.num_new_tokens, s.num_computed_before,
                              s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
-                             proposed=k, accepted=acc, bonus=int(k > 0 and acc == k), new_token_ids=list(toks),
-                             draft_token_ids=list(s.spec_token_ids)))
+                             proposed=k, accepted=acc, bonus=bonus, new_token_ids=list(toks),
+                             draft_token_ids=list(s.spec_token_ids), draft_parents=list(s.spec_parents or []),
+                             accepted_path=list(path)))
     live = sched.live_seq_ids()
     spec = engine.config.speculative_config or {}
     return StepTrace(

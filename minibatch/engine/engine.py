@@ -54,6 +54,11 @@ class LLMEngine:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else Scheduler
         self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
+        if p:
+            self.scheduler.num_lookahead_slots = p.num_lookahead_slots
+            if p.tree_nodes and p.tree_nodes + 1 > min(c.max_num_batched_tokens, mc.n_ctx):
+                raise ValueError(f"a token tree of {p.tree_nodes} drafts (+ its root) does not fit the token budget "
+                                 f"max_num_batched_tokens={c.max_num_batched_tokens} or the context {mc.n_ctx}")
         self.model_runner = ModelRunner(model, self.kv_cache, c.block_size, c.attention_backend, c.seed,
                                         scratch_block=num_blocks,
                                         hidden_states=self.proposer.hidden_states if self.proposer else (),

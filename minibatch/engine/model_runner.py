@@ -12,7 +12,10 @@
 3. **run the model** once (asking for hidden states when the proposer reads them);
 4. **sample**: one token per plain row (``Sampler``), or the rejection sampler over
    1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and
-   adds one token of the target's own.
+   adds one token of the target's own;
+5. a **token tree** (``spec_decode/tree.py``) is verified the same way, over its 1 + N
+   nodes, and keeps one root-to-leaf path; that path's K/V (and hidden states) then
+   move to consecutive slots, so the cache holds a plain chain again (``_keep_paths``).
 
 It returns a ``ModelRunnerOutput`` and changes no sequence: the scheduler's
 ``update_from_output`` owns that.
@@ -26,6 +29,7 @@ import torch
 
 from minibatch.engine.sampler import Sampler, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
+from minibatch.spec_decode import tree
 from minibatch.spec_decode.rejection_sampler import rejection_sample
 
 # The greedy shortcut in _sample is only known equal to this sampler. (Held in a tuple: exercises.patch_engine
@@ -42,6 +46,8 @@ class ModelRunnerOutput:
     logits_rows: list = field(default_factory=list)     # [B] lists: sequence b's rows of the N logits rows
     query_start_loc: list = field(default_factory=list) # [B+1]: sequence b's tokens are rows qsl[b]:qsl[b+1] of T
                                                         # (hidden_states has all T rows when the proposer asks)
+    accepted_paths: list = field(default_factory=list)  # [B] lists: a tree's accepted nodes [0, c1, ..., ca]
+                                                        # ([] for a chain or no drafts)
 
 
 class ModelRunner:
@@ -65,11 +71,13 @@ class ModelRunner:
                             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
                             hidden_states=self.hidden_states, all_hidden=self.all_hidden)
         logits, hidden = result if self.hidden_states else (result, {})
-        sampled, accepted, forked = self._sample(out.scheduled, logits.float(), rows)
+        sampled, accepted, forked, paths = self._sample(out.scheduled, logits.float(), rows)
         qsl = [0]
         for n in attn.metadata.query_lens_list[: len(out.scheduled)]:            # host-side: no device sync
             qsl.append(qsl[-1] + n)
-        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl)
+        if any(paths):
+            self._keep_paths(paths, attn.metadata.slot_mapping, qsl, rows, hidden)
+        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
 
     def _prepare_inputs(self, scheduled, padding=()):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
@@ -83,6 +91,7 @@ class ModelRunner:
         tables = [s.block_table for s in scheduled]
         computed = [s.num_computed_before for s in scheduled]
         new = [s.num_new_tokens for s in scheduled]
+        trees = [s.spec_parents for s in scheduled] + [None] * len(padding)
         bs = self.block_size
         for i, (table, context) in enumerate(padding):
             # static batching's idle slots: a finished member still computes a token at position `context`,
@@ -92,15 +101,19 @@ class ModelRunner:
             tables.append(table + [self.scratch_block + i] if context % bs == 0 else table)
             computed.append(context)
             new.append(1)
-        meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device)
+        tree_kw = {"tree_parents": trees} if any(t is not None for t in trees) else {}
+        meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device, **tree_kw)
         return input_ids, PagedAttention(self.kv_cache, meta, self.attention_backend), logits_idx, rows
 
     def _sample(self, scheduled, logits: torch.Tensor, rows: list):
         """Per sequence: the tokens to append, the drafts accepted, and (n > 1) the children's first tokens."""
         B = len(scheduled)
-        sampled, accepted, forked = [[] for _ in range(B)], [0] * B, [[] for _ in range(B)]
+        sampled, accepted, forked, paths = [[] for _ in range(B)], [0] * B, [[] for _ in range(B)], [[] for _ in range(B)]
         plain = [b for b in range(B) if rows[b] and not scheduled[b].spec_token_ids]
         verify = [b for b in range(B) if rows[b] and scheduled[b].spec_token_ids]
+        for b in [b for b in verify if scheduled[b].spec_parents is not None]:
+            sampled[b], accepted[b], paths[b] = self._verify_tree(scheduled[b], logits[rows[b]])
+        verify = [b for b in verify if scheduled[b].spec_parents is None]
         if plain:
             toks = self.sampler(logits[[rows[b][0] for b in plain]], [scheduled[b].seq.params for b in plain],
                                 [scheduled[b].seq.generator for b in plain])
@@ -127,7 +140,42 @@ class ModelRunner:
             seq = scheduled[b].seq
             for i in range(1, seq.num_forks_pending + 1):
                 forked[b] += self.sampler(logits[rows[b][0]][None], [seq.params], [seq.request.generators[i]])
-        return sampled, accepted, forked
+        return sampled, accepted, forked, paths
+
+    def _verify_tree(self, s, logits):
+        """A token tree: logits [N+1, V] at its nodes (row i: the target's next token after node i).
+        Greedy keeps the longest path of argmax matches (``tree.greedy_path``); otherwise the lossless tree
+        rule (``tree_rejection_sample``: children tried in order, the residual after each rejection).
+        Returns (tokens to append, drafts accepted, the accepted path's nodes)."""
+        parents, tokens = s.spec_parents, s.input_token_ids        # node i's token: the root's, then the drafts
+        if s.seq.params.greedy:
+            top = logits.argmax(-1).tolist()
+            path = tree.greedy_path(parents, tokens, top)
+            toks = [tokens[i] for i in path[1:]] + [top[path[-1]]]
+        else:
+            from minibatch.spec_decode.rejection_sampler import tree_rejection_sample
+            path, toks = tree_rejection_sample(parents, tokens, probabilities(logits.cpu(), s.seq.params),
+                                               generator=s.seq.generator)
+        return toks, len(path) - 1, path
+
+    def _keep_paths(self, paths, slot_mapping, qsl, rows, hidden) -> None:
+        """Move each accepted path to consecutive slots: node path[j], stored at cache index c0 + path[j], goes
+        to c0 + j, in every layer, and so do its hidden states. A copy, not a remap: a block table maps whole
+        blocks, and a path's nodes share blocks with rejected siblings. It copies at most depth tokens per
+        sequence (cheap beside the forward), and afterwards the cache, the scheduler's count
+        (num_computed_tokens = c0 + 1 + accepted) and the proposers all see a plain chain."""
+        src = [(b, node, j) for b, path in enumerate(paths) for j, node in enumerate(path) if node != j]
+        if not src:
+            return
+        dev = slot_mapping.device
+        frm = torch.tensor([qsl[b] + node for b, node, _ in src], device=dev)      # flat rows of the batch
+        to = torch.tensor([qsl[b] + j for b, _, j in src], device=dev)
+        self.kv_cache.copy_slots(slot_mapping[frm], slot_mapping[to])
+        for name, h in hidden.items():          # [T, C] (all rows) or [N, C] (the logits rows)
+            if self.all_hidden:
+                h[to.to(h.device)] = h[frm.to(h.device)]
+            else:
+                h[[rows[b][j] for b, _, j in src]] = h[[rows[b][node] for b, node, _ in src]]
 
     def _verify(self, batch, logits, rows):
         """Speculative decoding: accept a prefix of the drafts, plus one target token (Leviathan et al. §2.3).

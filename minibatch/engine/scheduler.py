@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from minibatch.engine.request_queue import RequestQueue
 from minibatch.engine.sampler import find_stop
@@ -53,6 +54,7 @@ class ScheduledSeq:
     phase: str                   # "prefill", "decode" or "resumed"
     block_table: list = field(default_factory=list)       # its physical blocks, for the model runner
     spec_token_ids: list = field(default_factory=list)    # the drafts among the new tokens
+    spec_parents: Optional[list] = None                    # a token tree over [root] + spec_token_ids, else None
 
     @property
     def input_token_ids(self) -> list:
@@ -98,11 +100,14 @@ class SchedulerBase:
         self.policy, self.order = policy, order
         self.waiting = RequestQueue(policy)
         self.running: list[Sequence] = []
+        # Slots a verify may take past a sequence's own tokens: a tree of N drafts and depth d is written to N
+        # slots but keeps at most d of them (the engine sets it from its proposer; a chain needs none).
+        self.num_lookahead_slots = 0
 
     # -- queues -------------------------------------------------------------------------
     def check_request(self, seq: Sequence) -> None:
         """Raise ValueError for a request that could never run, before it is queued."""
-        need = self.allocator.blocks_needed(len(seq) + seq.params.max_tokens)
+        need = self.allocator.blocks_needed(len(seq) + seq.params.max_tokens + self.num_lookahead_slots)
         if need > self.allocator.num_blocks:
             raise ValueError(f"request {seq.request_id!r} needs {need} blocks even alone, but the cache has only "
                              f"{self.allocator.num_blocks}: it could never finish")
@@ -123,7 +128,7 @@ class SchedulerBase:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a finished or aborted sequence out and return its blocks."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        seq.spec_token_ids, seq.spec_probs = [], None
+        seq.clear_spec()
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -138,7 +143,8 @@ class SchedulerBase:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.allocator.free(seq.seq_id)
         self.running.remove(seq)
-        seq.num_computed_tokens, seq.spec_token_ids, seq.spec_probs = 0, [], None
+        seq.num_computed_tokens = 0
+        seq.clear_spec()
         seq.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
@@ -161,6 +167,10 @@ class SchedulerBase:
         now = time.perf_counter()
         for s in out.scheduled:
             s.block_table = self.allocator.block_table(s.seq.seq_id)
+            # A tree's drafts are listed parents first, so the first m of them (the budget may cut a proposal)
+            # with the first 1 + m parents are a tree again.
+            if s.spec_token_ids and s.seq.spec_parents is not None:
+                s.spec_parents = s.seq.spec_parents[: 1 + len(s.spec_token_ids)]
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
         return out
@@ -196,7 +206,7 @@ class SchedulerBase:
             if s.spec_token_ids:
                 self.allocator.truncate(seq.seq_id, seq.num_computed_tokens)    # roll rejected drafts back
                 seq.spec_stats.add(len(s.spec_token_ids), n_acc, len(toks))
-            seq.spec_token_ids, seq.spec_probs = [], None
+            seq.clear_spec()
             if not toks:                                      # mid-prefill: nothing sampled yet
                 self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
                 continue

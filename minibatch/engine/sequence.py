@@ -75,8 +75,14 @@ class Sequence:
     num_forks_pending: int = 0               # n > 1: children to fork off once the prompt is computed
     spec_token_ids: list = field(default_factory=list)        # drafts for the next step to verify
     spec_probs: Optional[torch.Tensor] = None                 # [len(spec_token_ids), V] draft q; None = one-hot
+    spec_parents: Optional[list] = None                       # a token tree: parents of [root] + drafts
+                                                              # (spec_decode/tree.py); None = a chain
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this sequence's verify steps
     finish_reason: Optional[str] = None      # "length", "stop", "abort"
+
+    def clear_spec(self) -> None:
+        """Forget the drafts (verified, rejected, or no longer wanted)."""
+        self.spec_token_ids, self.spec_probs, self.spec_parents = [], None, None
 
     # -- read-only views of the request's facts ----------------------------------------
     @property

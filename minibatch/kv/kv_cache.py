@@ -73,6 +73,13 @@ class KVCache:
         dst_t = torch.tensor(dst, device=self.device)
         self.kv[:, :, dst_t] = self.kv[:, :, src_t]     # the right side is gathered (copied) first
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Token slot src[i]'s K/V (every layer) to slot dst[i]: a tree's accepted path to consecutive slots.
+        The right side is gathered first, so a slot may be a destination and, later in the list, a source."""
+        L, _, N, bs, H, D = self.kv.shape
+        flat = self.kv.view(L, 2, N * bs, H, D)
+        flat[:, :, dst] = flat[:, :, src]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import abc
 import os
+from typing import Optional
 
 METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
 HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-        "acceptance", "posterior_threshold", "posterior_alpha"}      # the last three: typical.py (lossy, opt-in)
+        "acceptance", "posterior_threshold", "posterior_alpha",      # these three: typical.py (lossy, opt-in)
+        "tree", "num_draft_tokens", "depth", "topk"}                 # token trees (tree.py)
+TREE_KINDS = {"medusa": "static", "eagle": "dynamic"}    # who makes which tree ("static" also: a list of choices)
+TREE_DEFAULTS = {"num_draft_tokens": 16, "depth": 5, "topk": 4}      # EAGLE-2's dynamic tree, sized for a CPU
 
 
 class Proposer(abc.ABC):
@@ -40,6 +44,8 @@ class Proposer(abc.ABC):
     hidden_states: tuple = ()        # which of the target's hidden states it reads (GPT.forward's numbering)
     sequential_passes = "k"          # draft passes one after the other per step ("k", or a number)
     all_hidden = False               # True: hidden_states at every token of the step, not only the logits rows
+    tree_nodes = 0                   # a tree proposer: the most draft nodes it proposes (0: a chain)
+    num_lookahead_slots = 0          # a tree proposer: draft nodes past its depth (slots a verify writes, then drops)
 
     def __init__(self, k: int):
         self.k = k
@@ -98,8 +104,11 @@ def check_speculative_config(spec_config) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {list(METHODS)}")
     k = spec_config.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+    if k is None and spec_config.get("tree") is not None:
+        pass                                # a tree's depth says how far it drafts
+    elif not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    check_tree_config(spec_config)
     model = spec_config.get("model")
     if model is not None and (method not in HEAD_METHODS or not isinstance(model, (str, os.PathLike))):
         raise ValueError(f"speculative_config['model'] is a checkpoint directory for {list(HEAD_METHODS)}; got "
@@ -111,11 +120,83 @@ def check_speculative_config(spec_config) -> None:
     check_typical_config(spec_config)
 
 
+def _int_in(spec_config, key, lo, hi):
+    v = spec_config.get(key, TREE_DEFAULTS[key])
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"speculative_config[{key!r}] must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def check_tree_config(spec_config) -> None:
+    """A tree only where the method can make one, with sane sizes; a chain (no "tree") is the default."""
+    from minibatch.spec_decode import tree
+    method, kind = spec_config["method"], spec_config.get("tree")
+    if kind is None:
+        extra = {"num_draft_tokens", "depth", "topk"} & set(spec_config)
+        if extra:
+            raise ValueError(f"speculative_config keys {sorted(extra)} size a token tree; add \"tree\" "
+                             f"({TREE_KINDS}) or leave them out")
+        return
+    if method not in TREE_KINDS:
+        raise ValueError(f"method {method!r} drafts a chain and cannot make a token tree; trees: "
+                         + ", ".join(f"{m} ({t!r})" for m, t in TREE_KINDS.items()))
+    if spec_config.get("acceptance", "rejection") != "rejection":
+        raise ValueError("typical acceptance is for chains only; a tree is verified by the lossless tree rule")
+    k = spec_config.get("num_speculative_tokens")
+    if isinstance(kind, (list, tuple)):
+        if method != "medusa":
+            raise ValueError("a tree of your own choices (a list) is for method 'medusa' (its heads' ranks)")
+        tree.from_choices(kind)             # raises on a malformed one
+        if {"depth", "topk"} & set(spec_config):
+            raise ValueError("'depth' and 'topk' size EAGLE-2's dynamic tree; a list of choices is the tree itself")
+        return
+    if kind != TREE_KINDS[method]:
+        raise ValueError(f"speculative_config['tree'] for {method!r} is {TREE_KINDS[method]!r} (or, for medusa, "
+                         f"a list of choices); got {kind!r}")
+    max_nodes = tree.MAX_TREE_NODES - 1
+    if kind == "static":
+        if {"depth", "topk"} & set(spec_config):
+            raise ValueError("'depth' and 'topk' size EAGLE-2's dynamic tree; Medusa's static tree is shipped "
+                             "(choose its size with 'num_draft_tokens')")
+        if "num_draft_tokens" in spec_config:
+            _int_in(spec_config, "num_draft_tokens", 1, max_nodes)
+        return
+    n = _int_in(spec_config, "num_draft_tokens", 1, max_nodes)
+    depth = _int_in(spec_config, "depth", 1, MAX_SPECULATIVE_TOKENS) if "depth" in spec_config or k is None else k
+    if k is not None and k != depth:
+        raise ValueError(f"num_speculative_tokens ({k}) and depth ({depth}) disagree: a tree drafts depth tokens "
+                         f"deep (give one of them)")
+    if not 1 <= depth <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"a dynamic tree's depth must be in [1, {MAX_SPECULATIVE_TOKENS}], got {depth}")
+    topk = _int_in(spec_config, "topk", 1, 16)
+    grown = topk + (depth - 1) * topk * topk            # the nodes EAGLE-2 grows before it re-ranks
+    if n > grown:
+        raise ValueError(f"num_draft_tokens={n} but a tree of depth {depth} and topk {topk} grows only {grown} "
+                         f"nodes to choose from")
+
+
+def tree_settings(spec_config) -> Optional[dict]:
+    """The tree a checked speculative_config asks for: None (a chain), {"choices": [...]} (Medusa's static
+    tree, shipped or given) or {"num_draft_tokens", "depth", "topk"} (EAGLE-2's dynamic tree)."""
+    kind = spec_config.get("tree")
+    if kind is None:
+        return None
+    if isinstance(kind, (list, tuple)):
+        return {"choices": [tuple(c) for c in kind]}
+    if kind == "static":
+        from minibatch.spec_decode.medusa_tree import load_tree
+        return {"choices": load_tree(spec_config.get("num_draft_tokens"))}
+    depth = spec_config.get("depth", spec_config.get("num_speculative_tokens", TREE_DEFAULTS["depth"]))
+    return {"num_draft_tokens": spec_config.get("num_draft_tokens", TREE_DEFAULTS["num_draft_tokens"]),
+            "depth": depth, "topk": spec_config.get("topk", TREE_DEFAULTS["topk"])}
+
+
 def make_proposer(spec_config, target, draft, engine_config):
     """The proposer ``speculative_config`` asks for (checked already by EngineConfig), or None."""
     if spec_config is None:
         return None
-    method, k = spec_config["method"], spec_config["num_speculative_tokens"]
+    method, k = spec_config["method"], spec_config.get("num_speculative_tokens")
+    tree_cfg = tree_settings(spec_config)
     if method == "ngram":
         from minibatch.spec_decode.ngram import NgramProposer
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))
@@ -124,10 +205,17 @@ def make_proposer(spec_config, target, draft, engine_config):
         head = load_head(method, target, directory=spec_config.get("model"))
         if method == "medusa":
             from minibatch.spec_decode.medusa import MedusaProposer
-            return MedusaProposer(head, k)
+            if tree_cfg is None:
+                return MedusaProposer(head, k)
+            prop = MedusaProposer(head, k, tree=tree_cfg["choices"])
+            if k is not None and k != prop.k:
+                raise ValueError(f"num_speculative_tokens={k}, but the Medusa tree is {prop.k} deep (leave it out)")
+            return prop
         if method == "eagle":
             from minibatch.spec_decode.eagle import EagleProposer
-            return EagleProposer(target, head, k, engine_config)
+            if tree_cfg is None:
+                return EagleProposer(target, head, k, engine_config)
+            return EagleProposer(target, head, tree_cfg["depth"], engine_config, tree=tree_cfg)
         from minibatch.spec_decode.early_exit import EarlyExitProposer
         return EarlyExitProposer(target, head, k, engine_config)
     from minibatch.spec_decode.draft_model import DraftModelProposer
