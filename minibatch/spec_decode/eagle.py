@@ -23,6 +23,9 @@ Steps 1 and 2's first pass are one forward. A sequence whose prefix came from th
 was preempted, starts its first entry with a zero feature (the target's feature before the cached
 tokens was never computed for it): that costs a little acceptance, never correctness.
 
+With ``"tree": "dynamic"`` the passes after the first grow EAGLE-2's dynamic tree instead of a chain
+(``eagle_tree.py``): the same number of sequential passes, several candidates per depth.
+
 Lossless at any temperature: drafts are sampled from q = the head's distribution at the request's
 temperature, top-k and top-p, and q goes to the rejection sampler.
 """
@@ -33,6 +36,7 @@ import torch
 from minibatch.engine.sampler import make_generator, probabilities
 from minibatch.engine.sequence import SequenceStatus
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
+from minibatch.spec_decode.eagle_tree import draft_trees, entries_per_seq
 from minibatch.spec_decode.proposer import Proposer, proposal_budget
 from minibatch.spec_decode.scratch import ScratchTables, scratch_blocks_per_seq
 
@@ -43,8 +47,12 @@ class EagleProposer(Proposer):
     all_hidden = True
     extra_kv_layers = 1
 
-    def __init__(self, target, head, k: int, engine_config):
+    def __init__(self, target, head, k: int, engine_config, tree=None):
         super().__init__(k)
+        # tree: None (a chain of k), or EAGLE-2's dynamic tree {"num_draft_tokens", "depth" (= k), "topk"}
+        self.tree = tree
+        if tree is not None:
+            self.tree_nodes = self.num_lookahead_slots = tree["num_draft_tokens"]
         self.target, self.head, self.layer = target, head, target.config.n_layer   # its cache layer: after the target's
         self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
         self.state: dict = {}            # seq id -> (entries written for positions < n, f_{n-1} [C])
@@ -52,8 +60,12 @@ class EagleProposer(Proposer):
         self.generators: dict = {}
         self.target_allocator = self.scratch = None
 
+    def _entries(self, k: int) -> int:
+        """Head entries a sequence drafting k deep writes past its computed tokens."""
+        return k if self.tree is None else entries_per_seq(k, self.tree["topk"])
+
     def num_scratch_blocks(self, max_num_seqs: int, block_size: int) -> int:
-        return max_num_seqs * scratch_blocks_per_seq(block_size, self.k)
+        return max_num_seqs * scratch_blocks_per_seq(block_size, self._entries(self.k))
 
     def bind(self, allocator, kv_cache, first_scratch_block: int, num_scratch_blocks: int) -> None:
         self.target_allocator = allocator
@@ -89,7 +101,7 @@ class EagleProposer(Proposer):
                     self.state[seq.seq_id] = parent
             k = proposal_budget(seq, self.k)
             if (seq.seq_id in catch or fresh_fork) and k > 0 and seq.seq_id in self.state:
-                seq.spec_token_ids, seq.spec_probs = [], None
+                seq.clear_spec()
                 drafting.append((seq, k))
         self._run(catch, drafting)
         for sid in self.finished:       # their last entries are written: now forget them
@@ -98,8 +110,8 @@ class EagleProposer(Proposer):
 
     def _run(self, catch, drafting) -> None:
         """Pass 1: every catch-up entry and each drafter's entry m; passes 2 .. k: one drafted entry each."""
-        tables = self.scratch.tables([(self.target_allocator.block_table(s.seq_id), s.num_computed_tokens, k)
-                                      for s, k in drafting])
+        tables = self.scratch.tables([(self.target_allocator.block_table(s.seq_id), s.num_computed_tokens,
+                                       self._entries(k)) for s, k in drafting])
         draft_table = {s.seq_id: t for (s, _), t in zip(drafting, tables)}
         batch = []                      # (seq id, block table, c0, token ids, input features [n, C])
         for sid, (seq, table, c0, toks, f_in) in catch.items():
@@ -119,6 +131,9 @@ class EagleProposer(Proposer):
         self.scratch.copy_back()
         ends = torch.tensor([len(x[3]) for x in batch]).cumsum(0) - 1
         last = dict(zip([x[0] for x in batch], f_hat[ends]))               # seq id -> f^ of its last entry
+        if self.tree is not None:            # EAGLE-2: grow a tree from each root instead (eagle_tree.py)
+            draft_trees(self, drafting, last, draft_table, self.tree["topk"], self.tree["num_draft_tokens"])
+            return
         probs = {s.seq_id: [] for s, _ in drafting}
         live = list(drafting)
         wte = self.target.wte.weight.t()
@@ -142,10 +157,13 @@ class EagleProposer(Proposer):
             seq.spec_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None   # greedy: one-hot
 
     def _forward(self, batch) -> torch.Tensor:
-        """The head over a flat batch of entries: [(seq id, block table, first position, token ids, f_{p-1}s)]."""
+        """The head over a flat batch of entries: [(seq id, block table, first position, token ids, f_{p-1}s
+        [, tree parents])]; a tree's entries see only their ancestors (EAGLE-2's passes, eagle_tree.py)."""
         dev = self.target.device
+        trees = [x[5] if len(x) > 5 else None for x in batch]
+        tree_kw = {"tree_parents": trees} if any(t is not None for t in trees) else {}
         meta = AttentionMetadata.build([x[1] for x in batch], [x[2] for x in batch], [len(x[3]) for x in batch],
-                                       self.block_size, dev)
+                                       self.block_size, dev, **tree_kw)
         attn = PagedAttention(self.scratch.kv_cache, meta, self.backend)
         ids = torch.tensor([t for x in batch for t in x[3]], device=dev)
         feats = torch.cat([x[4] for x in batch]).to(self.target.dtype)
