@@ -241,7 +241,7 @@ def _plan(md, block_size: int, device) -> list:
             q_valid = i[None] < ql[:, None]                                          # [G, Q]
             q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
         if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
-            bits = torch.where(q_valid, md.tree_bits.to(device)[q_rows], -1)            # [G, Q]
+            bits = md.tree_bits.to(device)[q_rows]              # [G, Q]; a padding row's is never read
             r = j[None] - (sl - ql)[:, None]                                           # [G, L] node index
             bit = (bits[:, :, None] >> r.clamp(0, 63)[:, None, :]) & 1                 # [G, Q, L]
             mask = mask & ((r < 0)[:, None, :] | (bit == 1))[:, None]                  # [G, 1, Q, L]
