@@ -7,7 +7,6 @@ some path, so every row is checked. The batches mix trees with a prefill, a late
 sizes 4/8/16 with contexts that are not multiples of them, so trees cross block boundaries; block tables
 drawn shuffled from a pool four times too big; NaN in every slot no sequence owns; signed random values.
 """
-import math
 import random
 
 import pytest
@@ -275,3 +274,29 @@ def test_bad_tree_bits_raise_clear_errors(backend):
         md.tree_bits = bad
         with pytest.raises(err, match="tree_bits"):
             attend(backend, md, kc, vc, q, 0.1)
+
+
+@needs_kernels
+@pytest.mark.interpreter
+def test_exercise_9s_adapter_passes_tree_steps_to_the_general_kernel(monkeypatch):
+    """ex9 wraps backends._triton_attend: decode-only steps go to the student's decode kernel, the rest (trees
+    included) to the attend it wrapped, which reads the tree bits from the metadata."""
+    import exercises
+    import kernels
+    calls = []
+
+    def student_decode(*args):
+        calls.append(len(args))
+        return kernels.paged_decode(*args)
+    monkeypatch.setattr(backends, "_triton_attend", exercises._decode_first_in_engine(student_decode,
+                                                                                      backends._triton_attend))
+    for seqs in ([(5, SHAPES["bushy"]), (3, 1)], [(5, 1), (3, 1)]):
+        md, kc, vc, q, K, V, parents = make_step(seqs, 4, 2, 16, 4, seed=11)
+        cache = KVCache(1, kc.shape[0], 4, 2, 16, dtype=torch.float32)
+        cache.key_cache(0).copy_(kc)
+        cache.value_cache(0).copy_(vc)
+        new_k = torch.cat([k[c:] for k, (c, _) in zip(K, seqs)]).float()
+        new_v = torch.cat([v[c:] for v, (c, _) in zip(V, seqs)]).float()
+        out = PagedAttention(cache, md, backend="triton")(0, q, new_k, new_v)
+        torch.testing.assert_close(out.double(), oracle(md, q, K, V, parents, 16 ** -0.5), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1                                   # the decode-only step, and only it
