@@ -11,6 +11,15 @@ blocks that the sequence's **block table** names (vLLM paper, Kwon et al. 2023,
 section 4.1). This step's own keys are already in the cache (``store_kv`` ran
 first), so "causal with a context offset" is the only mask needed.
 
+Token trees (tree speculative decoding; SpecInfer, Miao et al. 2024, §4.1 "tree
+attention"). A sequence's new tokens may be the nodes of a tree of drafts: node
+i is cached at ``context_len + i`` but sees only the context, its ancestors and
+itself. ``tree_bits[t]`` (int64, one per query row) holds that row's mask over
+this step's tokens: key ``context_len + r`` is visible iff bit r is set (and it
+is causal), -1 = every bit = plain causal. A tree has at most 64 nodes, so every
+shift is < 64. Without trees the launch passes ``HAS_TREE=False`` and the kernel
+compiles exactly as before: no load, no bit test.
+
 Parallelisation. One program per (sequence, tile of query tokens, KV head).
 Under grouped-query attention (GQA, Ainslie et al. 2023) the G = H / Hkv query
 heads of a group read the same K/V, so a program takes all of them at once:
@@ -27,6 +36,7 @@ Shapes: T new tokens in the flat batch, B sequences, H query heads, Hkv KV
 heads, D head dim.
     query [T, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
     block_tables [B, max_blocks] int32/int64; seq_lens [B]; query_start_loc [B+1]
+    tree_bits [T] int64 or None
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ MIN_DOT = 16          # every tl.dot dimension >= 16 keeps all Triton versions /
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    tree_bits_ptr,                                # [T] int64 tree mask rows (read only if HAS_TREE)
     scale,
     stride_qt, stride_qh, stride_qd,              # query [T, H, D]
     stride_ot, stride_oh, stride_od,              # out   [T, H, D]
@@ -59,6 +70,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,          # keys per iteration
     BLOCK_D: tl.constexpr,          # head_dim rounded up to 2^k, >= 16
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (no TF32 rounding), else "tf32"
+    HAS_TREE: tl.constexpr,         # some row has a token-tree mask (tree_bits_ptr is real)
 ):
     seq = tl.program_id(0)          # which sequence of the batch
     q_tile = tl.program_id(1)       # which tile of its new tokens
@@ -91,6 +103,9 @@ def _paged_attention_kernel(
               + offs_d[None, :] * stride_qd)
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)                 # [BLOCK_M, BLOCK_D]
+    if HAS_TREE:
+        # Row r's tree mask over this step's tokens (bit i: sees token i); padding rows see all (-1).
+        bits = tl.load(tree_bits_ptr + q_start + tok, mask=row_valid, other=-1)   # [BLOCK_M] int64
 
     # --- Online softmax state, float32 whatever the input dtype. --------------
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)          # running max of scores
@@ -124,6 +139,11 @@ def _paged_attention_kernel(
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         # Causal with the context offset: row at position p sees keys 0..p.
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if HAS_TREE:
+            # Tree: key context_len + i (node i) only if bit i of the row is set; the context always.
+            node = k_pos - context_len                                 # [BLOCK_N], < 0 in the context
+            bit = (bits[:, None] >> tl.where(node >= 0, node, 0)[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+            visible = visible & ((bit != 0) | (node < 0)[None, :])
         s = tl.where(visible, s, float("-inf"))
 
         # Online softmax update. m_safe avoids (-inf) - (-inf) = NaN in a row
@@ -155,7 +175,8 @@ _INTS = (torch.int32, torch.int64)
 
 
 def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, max_query_len, who="paged_attention") -> int:
+                       query_start_loc, scale, max_query_len, who="paged_attention",
+                       tree_bits=None) -> int:
     """Raise one clear TypeError/ValueError for bad input; return the max q_len.
 
     Shape and dtype checks cost nothing; the value checks (offsets, lengths,
@@ -201,6 +222,11 @@ def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
         raise ValueError(f"{who}: all tensors must be on one device, got {sorted(map(str, devices))}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{who}: scale must be a finite real number, got {scale!r}")
+    if tree_bits is not None and (not isinstance(tree_bits, torch.Tensor) or tree_bits.dtype != torch.int64
+                                  or tree_bits.shape != (T,) or tree_bits.device != query.device):
+        raise TypeError(f"{who}: tree_bits must be None or an int64 tensor [T = {T}] on {query.device}, got "
+                        f"{getattr(tree_bits, 'dtype', type(tree_bits).__name__)} "
+                        f"{tuple(getattr(tree_bits, 'shape', ()))} on {getattr(tree_bits, 'device', '-')}")
     if max_query_len is not None and (isinstance(max_query_len, bool)
                                       or not isinstance(max_query_len, int) or max_query_len < 0):
         raise TypeError(f"{who}: max_query_len must be None or an int >= 0, got {max_query_len!r}")
@@ -218,11 +244,17 @@ def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
     used = torch.arange(max_blocks, device=sl.device)[None, :] < n_used[:, None]
     bt = block_tables.long()
     bad_entry = used & ((bt < 0) | (bt >= num_blocks))
+    bad_tree = torch.zeros((), dtype=torch.bool, device=qsl.device)
+    if tree_bits is not None and T:
+        # a tree row (not -1) is one of its sequence's first 64 tokens and sees itself (bit i of row i)
+        t = torch.arange(T, device=qsl.device)
+        i = t - qsl[torch.searchsorted(qsl[1:], t, right=True).clamp(max=B - 1)]   # [T] index in its sequence
+        bad_tree = ((tree_bits != -1) & ((i >= 64) | ((tree_bits >> i.clamp(0, 63)) & 1 == 0))).any()
     facts = torch.stack([
         qsl[0] != 0, qsl[-1] != T, (q_lens < 0).any(), (sl < q_lens).any(),
-        (n_used > max_blocks).any(), bad_entry.any(), q_lens.max(),
+        (n_used > max_blocks).any(), bad_entry.any(), q_lens.max(), bad_tree,
     ]).tolist()
-    first_bad, last_bad, neg_len, short_seq, few_blocks, bad_bt, max_q = facts
+    first_bad, last_bad, neg_len, short_seq, few_blocks, bad_bt, max_q, bad_tree = facts
     if first_bad or last_bad:
         raise ValueError(f"{who}: query_start_loc must start at 0 and end at T = {T}, got "
                          f"{qsl[0].item()} .. {qsl[-1].item()}")
@@ -236,6 +268,9 @@ def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
                          f"({max_blocks} x block_size {block_size})")
     if bad_bt:
         raise ValueError(f"{who}: a used block_tables entry is outside [0, {num_blocks})")
+    if bad_tree:
+        raise ValueError(f"{who}: a tree_bits row other than -1 must belong to one of its sequence's first 64 "
+                         f"tokens (a tree has at most 64 nodes) and have its own bit set (a node sees itself)")
     if max_query_len is not None and max_query_len < max_q:
         raise ValueError(f"{who}: max_query_len {max_query_len} < the longest query {max_q}")
     return int(max_q)
@@ -252,7 +287,7 @@ def _tiles(max_q_len: int, queries_per_kv: int):
 
 
 def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale, max_q_len, out):
+            scale, max_q_len, out, tree_bits=None):
     """Launch the kernel on already-checked inputs (the benchmark times this)."""
     T, H, D = query.shape
     Hkv = key_cache.shape[2]
@@ -262,6 +297,7 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_l
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
         block_tables, seq_lens, query_start_loc,
+        seq_lens if tree_bits is None else tree_bits,     # a pointer never read when HAS_TREE is False
         float(scale),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
         block_tables.stride(0),
@@ -269,6 +305,7 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_l
         QUERIES_PER_KV=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_TREE=tree_bits is not None,
     )
     return out
 
@@ -276,18 +313,21 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_l
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
-                    max_query_len: Optional[int] = None) -> torch.Tensor:
+                    max_query_len: Optional[int] = None, *,
+                    tree_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of the flat batch's queries over the paged KV cache.
 
     query [T, H, D] -> out [T, H, D] (query dtype). Sequence b's queries are rows
     query_start_loc[b]:query_start_loc[b+1]; its context (this step's tokens
     included, already stored) is seq_lens[b] tokens, found through
     block_tables[b]. max_query_len, if given, must be >= every q_len.
+    tree_bits [T] int64, if given: row t sees this step's token i only if bit i is set
+    (a token tree's mask, ``minibatch/spec_decode/tree.py``'s mask_bits; -1 = causal).
     """
     max_q = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
-                               query_start_loc, scale, max_query_len)
+                               query_start_loc, scale, max_query_len, tree_bits=tree_bits)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0 or max_q == 0:
         return out
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                   scale, max_q, out)
+                   scale, max_q, out, tree_bits=tree_bits)

@@ -7,6 +7,10 @@ causal attention with a context offset: query i of sequence b sits at position
 ``seq_lens[b] - q_len_b + i``. Grouped-query attention: query head h reads kv head
 ``h // (H // Hkv)``.
 
+A token tree adds one mask (SpecInfer, Miao et al. 2024, §4.1): ``tree_bits`` [T] int64, bit i of row t set =
+query t sees this step's token i (cache index ``context_len + i``); the context stays visible and -1 is
+plain causal. Query t sees key j iff ``j <= its index`` and (``j < context_len`` or that bit is set).
+
   "loop"    -- the teaching version: one sequence at a time, gather its K/V through its block table
                into a contiguous [L, Hkv, D], then a plain masked softmax. Read this one first.
   "batched" -- the fast default: the rows are split into decodes (q_len 1) and the rest (prefill,
@@ -71,7 +75,8 @@ def check_metadata(block_tables, seq_lens, query_start_loc, num_blocks, block_si
         raise ValueError(f"{who}: a block table entry a sequence reads is outside 0..{num_blocks - 1}")
 
 
-def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who):
+def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who,
+                     tree_bits=None):
     _check_cache(key_cache, value_cache, who)
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"{who}: query must be a tensor [T, H, D]")
@@ -85,6 +90,22 @@ def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{who}: scale must be a finite number, got {scale!r}")
     check_metadata(block_tables, seq_lens, query_start_loc, N, bs, query.shape[0], query.device, who)
+    if tree_bits is not None:
+        check_tree_bits(tree_bits, query_start_loc, query.shape[0], query.device, who)
+
+
+def check_tree_bits(tree_bits, query_start_loc, T, device, who):
+    """tree_bits [T] int64; a tree row (not -1) is one of its sequence's first 64 and sees itself."""
+    if not isinstance(tree_bits, torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != (T,):
+        raise TypeError(f"{who}: tree_bits must be an int64 tensor [T = {T}], got "
+                        f"{getattr(tree_bits, 'dtype', type(tree_bits).__name__)} {tuple(getattr(tree_bits, 'shape', ()))}")
+    if tree_bits.device != device:
+        raise ValueError(f"{who}: tree_bits is on {tree_bits.device}, the query on {device}")
+    qsl, t = query_start_loc.long(), torch.arange(T, device=device)
+    i = t - qsl[torch.searchsorted(qsl[1:], t, right=True).clamp(max=len(qsl) - 2)]     # [T] index in its sequence
+    if bool(((tree_bits != -1) & ((i >= 64) | ((tree_bits >> i.clamp(0, 63)) & 1 == 0))).any()):
+        raise ValueError(f"{who}: a tree_bits row other than -1 must belong to one of its sequence's first 64 "
+                         f"tokens (a tree has at most 64 nodes) and have its own bit set (a node sees itself)")
 
 
 # -- store ------------------------------------------------------------------------------
@@ -121,10 +142,12 @@ def _store(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 # -- attend: the teaching version (backend "loop") ---------------------------------------------------------
-def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """query [T, H, D] -> out [T, H, D]; one sequence at a time, gathered through its block table."""
+def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                         tree_bits=None):
+    """query [T, H, D] -> out [T, H, D]; one sequence at a time, gathered through its block table.
+    tree_bits [T] int64 or None: the token-tree mask of each row (see the module docstring)."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     "paged_attention_loop")
+                     "paged_attention_loop", tree_bits)
     T, H, D = query.shape
     N, bs, Hkv, _ = key_cache.shape
     out = torch.zeros_like(query)
@@ -141,20 +164,27 @@ def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, 
         scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale   # [H, n, L]
         q_pos = torch.arange(L - n, L, device=query.device)[:, None]  # its queries are the last n positions
         causal = torch.arange(L, device=query.device)[None, :] <= q_pos  # [n, L]
+        if tree_bits is not None:
+            # Tree attention (SpecInfer, Miao et al. 2024, §4.1): this step's n tokens are a tree's nodes, and
+            # query i sees key L - n + r (node r) only if bit r of its row is set: its ancestors and itself.
+            r = torch.arange(L, device=query.device) - (L - n)            # [L]: node index; < 0 in the context
+            bit = (tree_bits[s:e, None] >> r.clamp(0, 63)[None, :]) & 1    # [n, L]: bit r of row i
+            causal &= (r < 0)[None, :] | (bit == 1)                        # [n, L]: context, or an ancestor
         scores = scores.masked_fill(~causal, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
 
 
 # -- attend: the fast default (backend "batched") -------------------------------------------------------------
-def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                            tree_bits=None):
     """Same as paged_attention_loop, for the whole batch at once (two groups: decodes and the rest)."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     "paged_attention_batched")
+                     "paged_attention_batched", tree_bits)
     from minibatch.kv.attention import AttentionMetadata
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     md = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, 0, 0, None,
-                           lens, [e - s for s, e in zip(qsl[:-1], qsl[1:])])
+                           lens, [e - s for s, e in zip(qsl[:-1], qsl[1:])], tree_bits=tree_bits)
     return _batched(query, key_cache, value_cache, md, scale)
 
 
@@ -175,7 +205,8 @@ def _buckets(rows: list, lens: list, max_waste: float = 0.3, max_buckets: int = 
 def _plan(md, block_size: int, device) -> list:
     """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
     rows [G, Q] (None: the group is every row, in order, one query each), which of those are real [G, Q],
-    and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset."""
+    and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset, and for tree rows
+    (only ever in the rest: a tree of 2+ nodes has q_len > 1; a root alone sees what a decode sees) the tree's."""
     if "batched" in md.plan:
         return md.plan["batched"]
     q_lens, s_lens = md.query_lens_list, md.seq_lens_list
@@ -209,6 +240,11 @@ def _plan(md, block_size: int, device) -> list:
         else:
             q_valid = i[None] < ql[:, None]                                          # [G, Q]
             q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
+        if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
+            bits = md.tree_bits.to(device)[q_rows]              # [G, Q]; a padding row's is never read
+            r = j[None] - (sl - ql)[:, None]                                           # [G, L] node index
+            bit = (bits[:, :, None] >> r.clamp(0, 63)[:, None, :]) & 1                 # [G, Q, L]
+            mask = mask & ((r < 0)[:, None, :] | (bit == 1))[:, None]                  # [G, 1, Q, L]
         groups.append((slots, q_rows, q_valid, mask))
     md.plan["batched"] = groups
     return groups
@@ -250,13 +286,19 @@ def _triton_attend(query, key_cache, value_cache, md, scale):
     if query.shape[0] == 0:
         return out
     return _launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                   scale, md.max_query_len, out)
+                   scale, md.max_query_len, out, tree_bits=md.tree_bits)
+
+
+def _tree(md) -> dict:
+    """tree_bits=, only when the step has a tree: a student's function (ex2, ex9) has no such parameter."""
+    return {} if md.tree_bits is None else {"tree_bits": md.tree_bits}
 
 
 def _checked(fn):
     """A backend body that re-checks its inputs on every call (debug checks)."""
     def attend(query, key_cache, value_cache, md, scale):
-        return fn(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+        return fn(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                  **_tree(md))
     return attend
 
 
@@ -269,14 +311,14 @@ def get(backend: str, checked: bool = False):
             raise ImportError(f"the 'triton' backend needs the kernels package and Triton: {e}") from e
         if checked:
             return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
-                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s)
+                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md))
         return _triton_store, lambda q, kc, vc, md, s: _triton_attend(q, kc, vc, md, s)   # by name: patchable
     if checked:
         attend = paged_attention_loop if backend == "loop" else paged_attention_batched
         return store_kv_torch, _checked(attend)
     if backend == "loop":            # looked up at each call, so exercises.patch_engine can swap in a student's
         return _store, lambda q, kc, vc, md, s: paged_attention_loop(q, kc, vc, md.block_tables, md.seq_lens,
-                                                                     md.query_start_loc, s)
+                                                                     md.query_start_loc, s, **_tree(md))
     return _store, _batched
 
 
