@@ -84,6 +84,8 @@ def draft_trees(proposer, drafting, root_f_hat: dict, draft_table: dict, topk: i
 
     drafting: [(seq, depth)]; root_f_hat: seq id -> f^ of the root's entry (from the catch-up pass);
     draft_table: seq id -> its drafting block table (scratch blocks from the root's slot on)."""
+    if not drafting:
+        return
     wte = proposer.target.wte.weight.t()                                              # [C, V]
     grow = {}
     for seq, depth in drafting:
