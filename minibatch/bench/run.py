@@ -2,6 +2,7 @@
 
     python -m minibatch.bench batching     [--workload longtail --num-requests 96 --max-num-seqs 32]
     python -m minibatch.bench speculative  [--methods draft,medusa --ks 1,2,3,4 --batch-sizes 1,8]
+    python -m minibatch.bench trees        [--methods medusa,eagle --depth 4 --batch-sizes 1,8]  chains vs trees
     python -m minibatch.bench attention    Triton vs PyTorch paged attention (GB/s on a GPU)
     python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged
     python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
@@ -73,7 +74,8 @@ def bench_batching(args) -> None:
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
-          "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve"}
+          "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve",
+          "trees": "minibatch.bench.trees"}
 
 
 def main(argv=None):
