@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from minibatch.spec_decode import tree
+
 
 def _check_inputs(draft_token_ids, draft_probs, target_probs, generators, num_draft_tokens, greedy):
     """Every way the inputs can disagree, as one ValueError each; returns (B, k, ks, greedy)."""
@@ -117,3 +119,81 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.
     dev = target_probs.device
     return (torch.tensor(rows, dtype=torch.int64, device=dev).view(B, k + 1),
             torch.tensor(num_accepted, dtype=torch.int64, device=dev))
+
+
+# -- token trees ------------------------------------------------------------------------------------------------------
+
+def tree_rejection_sample(parents, tokens, target_probs: torch.Tensor, draft_probs: Optional[torch.Tensor] = None,
+                          generator: Optional[torch.Generator] = None) -> tuple[list, list]:
+    """Verify one sequence's token tree (``spec_decode/tree.py``): walk down from the root, keep one path.
+
+    parents [N+1] (node 0 the root, parents first), tokens [N+1] (node i's token; tokens[0], the root's, is
+    not read), target_probs [N+1, V]: row i is the target's p for the token after node i.
+    At each node the target's p there is matched against the node's children, in node order:
+
+    * **draft_probs None**: the children were chosen *deterministically* (the drafter's top-k, as Medusa's
+      and EAGLE-2's trees are). Try them in order: accept child x with probability p(x); on rejection set
+      p(x) = 0 and renormalise, then try the next child. (Why it is exact: with p' = p renormalised after
+      each rejection, P(emit x) = p'(x) * P(reach x) telescopes to p(x), as sampling from p while
+      revealing "not x_1", "not x_2", ... one at a time.)
+    * **draft_probs [N+1, V]**: row i is the q node i's children were drawn from, independently (SpecInfer's
+      multi-draft rule, Miao et al. 2024 §4.2): accept child x with probability min(1, p(x)/q(x)); on
+      rejection p <- norm(max(0, p - q)), the residual, which is what the next child is then checked against.
+      Each child is then one chain rejection step (Leviathan et al. §2.3) whose target is the last residual.
+
+    If every child is rejected (or the node is a leaf), the token after the path is drawn from what is left
+    of p: a correction token, or a bonus one at a leaf. Every draw comes from ``generator``.
+    Returns (the accepted path [0, c1, ..., ca], the tokens to append: the accepted drafts, then that one).
+    """
+    parents = tree.check_parents(parents)
+    n = len(parents)
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.tolist()
+    if len(tokens) != n:
+        raise ValueError(f"tokens has {len(tokens)} entries for a tree of {n} nodes (root included)")
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 2 or target_probs.shape[0] != n:
+        raise ValueError(f"target_probs must be [N+1, V] = [{n}, V], got {tuple(getattr(target_probs, 'shape', ()))}")
+    V = target_probs.shape[1]
+    if any(not isinstance(t, int) or not 0 <= t < V for t in tokens[1:]):
+        raise ValueError(f"draft tokens {tokens[1:]} must be ints in the vocabulary [0, {V})")
+    kids = tree.children(parents)
+    inner = [i for i in range(n) if kids[i]]             # rows of q that are read: nodes with children
+    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or draft_probs.shape != target_probs.shape):
+        raise ValueError(f"draft_probs must be [N+1, V] = [{n}, {V}] (or None for deterministic children), "
+                         f"got {tuple(getattr(draft_probs, 'shape', ()))}")
+    p_all = target_probs.detach().double().cpu()
+    q_all = None if draft_probs is None else draft_probs.detach().double().cpu()
+    for name, probs, rows in (("target_probs", p_all, range(n)), ("draft_probs", q_all, inner)):
+        if probs is None or not rows:
+            continue
+        r = probs[list(rows)]
+        if not torch.isfinite(r).all() or (r < 0).any() or ((r.sum(-1) - 1).abs() > 1e-3).any():
+            raise ValueError(f"{name}: every row that is read must be a distribution (finite, >= 0, sum 1)")
+
+    def uniform() -> float:
+        return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+    path = [0]
+    while True:
+        node = path[-1]
+        p = p_all[node].clone()                          # what is left of the target's distribution here
+        nxt = None
+        for c in kids[node]:
+            x = tokens[c]
+            if q_all is None:                            # accept with p(x) / (mass left): renormalised p
+                if uniform() * float(p.sum()) < float(p[x]):
+                    nxt = c
+                    break
+                p[x] = 0.0
+            else:                                        # accept with min(1, p(x)/q(x)), p normalised
+                q = q_all[node]
+                if uniform() * float(q[x]) < float(p[x]):
+                    nxt = c
+                    break
+                residual = (p - q).clamp(min=0)
+                if residual.sum() > 0:                   # all zero only if p == q (then no rejection happens)
+                    p = residual / residual.sum()
+        if nxt is None:
+            extra = int(torch.multinomial(p, 1, generator=generator))   # multinomial normalises p
+            return path, [tokens[i] for i in path[1:]] + [extra]
+        path.append(nxt)
