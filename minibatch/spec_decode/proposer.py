@@ -205,12 +205,7 @@ def make_proposer(spec_config, target, draft, engine_config):
         head = load_head(method, target, directory=spec_config.get("model"))
         if method == "medusa":
             from minibatch.spec_decode.medusa import MedusaProposer
-            if tree_cfg is None:
-                return MedusaProposer(head, k)
-            prop = MedusaProposer(head, k, tree=tree_cfg["choices"])
-            if k is not None and k != prop.k:
-                raise ValueError(f"num_speculative_tokens={k}, but the Medusa tree is {prop.k} deep (leave it out)")
-            return prop
+            return MedusaProposer(head, k, tree=None if tree_cfg is None else tree_cfg["choices"])
         if method == "eagle":
             from minibatch.spec_decode.eagle import EagleProposer
             if tree_cfg is None:
