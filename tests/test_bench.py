@@ -34,3 +34,20 @@ def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
         assert by_pos == "-" or (len(by_pos.split("/")) <= k and all(0 <= float(a) <= 1 for a in by_pos.split("/")))
         assert 1.0 <= tau <= k + 1 and 1.0 <= formula <= k + 1 and 1.0 <= out_fwd <= k + 1
         assert cost >= 0 and 0.0 < predicted <= formula
+
+
+def test_bench_trees_prints_a_chain_then_its_trees_per_method(capsys):
+    bench.main(["trees", "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "8", "--repeats", "1",
+                "--prompts", "1", "--depth", "3"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  0.0")]
+    shapes = [(r[2], " ".join(r[3:5])) for r in rows]
+    assert shapes == [("medusa", "chain k=3"), ("medusa", "static 8"), ("medusa", "static 16"), ("medusa", "static 32"),
+                      ("eagle", "chain k=3"), ("eagle", "dynamic 8/3/2"), ("eagle", "dynamic 16/3/4"),
+                      ("eagle", "dynamic 32/3/4")]
+    for r in rows:
+        passes, nodes, tau, over_chain = int(r[5]), float(r[6]), float(r[7]), float(r[8])
+        assert passes == (0 if r[2] == "medusa" else 3)
+        assert 1.0 <= tau <= 5 and nodes >= 2 and over_chain > 0
+        if r[3] == "chain":
+            assert over_chain == 1.0 and nodes <= 4

@@ -71,12 +71,12 @@ def bench_trees(args) -> list:
     docs = val_documents(32, min_len=600, seed=11)
     prompts = [d[:160].decode("utf-8", "ignore") for d in docs]
     print(f"device: {model.device}; methods {', '.join(methods)}; best of {args.repeats} runs alternating with plain "
-          f"decoding on the same code prompts; max_tokens {args.max_tokens}")
+          f"decoding on the same code prompts (at least {args.prompts} a row); max_tokens {args.max_tokens}")
     print(HEADER)
     rows = []
     for temp in args.temperatures:
         for bs in args.batch_sizes:
-            ps = prompts[:bs]
+            ps = prompts[:max(bs, args.prompts)]        # batch 1 still averages over several prompts, in turn
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0 if temp else None)
             plain = LLM(model, max_num_seqs=max(bs, 1))
             for method in methods:
@@ -97,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=4, help="chain k and dynamic tree depth (draft passes)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per row at least (run max_num_seqs = batch at a time)")
     args = ap.parse_args(argv)
     return bench_trees(args)
 
