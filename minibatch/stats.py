@@ -21,6 +21,7 @@ definition. What it counts, per run:
 from __future__ import annotations
 
 from minibatch.spec_decode.stats import SpecStats
+from minibatch.spec_decode.tree import judged_depths
 
 
 def _mean(xs) -> float | None:
@@ -34,7 +35,8 @@ def spec_stats(traces) -> SpecStats:
     for t in traces:
         for s in t.scheduled:
             if s.proposed:                          # a verify step: the accepted drafts + one target token
-                spec.add(s.proposed, s.accepted, s.accepted + 1)
+                spec.add(s.proposed, s.accepted, s.accepted + 1,
+                         judged=judged_depths(s.draft_parents, s.accepted_path) if s.draft_parents else None)
     return spec
 
 

@@ -129,6 +129,20 @@ def test_spec_stats_counts_and_merges():
     assert SpecStats().expected_tokens_per_step == 0.0
 
 
+def test_spec_stats_counts_a_tree_by_depth():
+    # 8-node trees: a path of 2 that stopped at a node with children (3 depths judged), a path of 1 that reached a
+    # leaf (1 judged: nothing below it to reject), nothing accepted (the root's children judged: 1)
+    t = SpecStats().add(8, 2, 3, judged=3).add(8, 1, 2, judged=1).add(8, 0, 1, judged=1)
+    assert (t.reached_at, t.accepted_at) == ([3, 1, 1], [2, 1])
+    assert t.acceptance_by_position == pytest.approx([2 / 3, 1.0, 0.0])
+    assert t.acceptance_rate == 3 / 24 and t.mean_tokens_per_step == 2.0 and t.tree_steps == 3
+    assert t.expected_tokens_per_step is None, "a chain's formula says nothing about a tree"
+    assert SpecStats().merge(t).tree_steps == 3 and not t.steps_by_k
+    for judged in (0, 4):
+        with pytest.raises(ValueError, match="judges"):
+            SpecStats().add(8, 2, 3, judged=judged)
+
+
 def test_spec_stats_formula_matches_a_simulation_of_independent_acceptances():
     """Steps whose drafts are accepted i.i.d. with probability alpha: measured tokens/step approach the formula."""
     rng, alpha, k = np.random.default_rng(0), 0.7, 5

@@ -7,11 +7,15 @@ accepted path's K/V really moved). The cache then holds exactly what a plain pre
 writes. Sampled: the first three tokens follow the target's exact joint law (chi-square at the 0.001
 level, as tests/test_spec_methods.py). Bad trees are refused at construction.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
 from minibatch.model.weights import WEIGHTS_DIR
+from minibatch.spec_decode.tree import depths as tree_depths
+from minibatch.stats import spec_stats
 from minibatch.trace import TraceRecorder
 from test_engine import PROMPTS
 from test_spec_methods import GREEDY, N_SAMPLES, PROMPT, chi_square, exact, refs  # noqa: F401 (fixtures)
@@ -68,6 +72,12 @@ def test_greedy_equals_plain(target_model, refs, name, case):
         assert len(s.draft_parents) == s.proposed + 1 and s.accepted_path[0] == 0
         assert len(s.accepted_path) == s.accepted + 1 and s.new_token_ids[:s.accepted] == \
             [s.draft_token_ids[i - 1] for i in s.accepted_path[1:]]
+    # each request's own counters (the scheduler's) agree with its steps in the traces, by depth too
+    for o in outs:
+        own = spec_stats([SimpleNamespace(scheduled=[x for x in t.scheduled if x.request_id == o.request_id])
+                          for t in traces])
+        assert o.outputs[0].spec["acceptance_by_position"] == own.acceptance_by_position
+        assert len(own.reached_at) <= max([max(tree_depths(x.draft_parents)) for x in steps])
     if case == "preemption":
         assert sum(len(t.preempted) for t in traces) > 0, "meant to force preemption"
     if case == "prefix cache":

@@ -42,6 +42,7 @@ from minibatch.engine.request_queue import RequestQueue
 from minibatch.engine.sampler import find_stop
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
+from minibatch.spec_decode.tree import judged_depths
 
 ORDERS = ("decode-first", "prefill-first")
 
@@ -205,7 +206,9 @@ class SchedulerBase:
             seq.num_computed_tokens = s.num_computed_before + s.num_new_tokens - len(s.spec_token_ids) + n_acc
             if s.spec_token_ids:
                 self.allocator.truncate(seq.seq_id, seq.num_computed_tokens)    # roll rejected drafts back
-                seq.spec_stats.add(len(s.spec_token_ids), n_acc, len(toks))
+                judged = None if s.spec_parents is None else judged_depths(s.spec_parents,
+                                                                             runner_output.accepted_paths[i])
+                seq.spec_stats.add(len(s.spec_token_ids), n_acc, len(toks), judged=judged)
             seq.clear_spec()
             if not toks:                                      # mid-prefill: nothing sampled yet
                 self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)

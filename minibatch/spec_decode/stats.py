@@ -56,19 +56,28 @@ class SpecStats:
     reached_at: list = field(default_factory=list)
     accepted_at: list = field(default_factory=list)
 
-    def add(self, proposed: int, accepted: int, emitted: int) -> "SpecStats":
-        """Count one verify step."""
+    tree_steps: int = 0      # ... of which verified a token tree (position i is then depth i)
+
+    def add(self, proposed: int, accepted: int, emitted: int, judged=None) -> "SpecStats":
+        """Count one verify step. A token tree also gives ``judged``: the depths the target judged (its accepted
+        path's length, + 1 when the path's last node has children the target rejected)."""
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted}, proposed={proposed}")
         if emitted < 0:
             raise ValueError(f"emitted must be >= 0, got {emitted}")
+        if judged is not None and not accepted <= judged <= accepted + 1:
+            raise ValueError(f"a tree step judges its accepted depths and at most one more: got judged={judged}, "
+                             f"accepted={accepted}")
         self.proposed += proposed
         self.accepted += accepted
         self.num_steps += 1
         self.emitted += emitted
-        self.steps_by_k[proposed] = self.steps_by_k.get(proposed, 0) + 1
+        if judged is None:
+            self.steps_by_k[proposed] = self.steps_by_k.get(proposed, 0) + 1
+        else:
+            self.tree_steps += 1
         # a chain with a of k accepted: positions 1..a accepted, a + 1 rejected (if a < k), a + 2.. never judged
-        reached = min(proposed, accepted + 1)
+        reached = min(proposed, accepted + 1) if judged is None else judged
         for lst, n in ((self.reached_at, reached), (self.accepted_at, accepted)):
             lst.extend([0] * (n - len(lst)))
             for i in range(n):
@@ -82,6 +91,7 @@ class SpecStats:
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.num_steps += other.num_steps
+        self.tree_steps += other.tree_steps
         self.emitted += other.emitted
         for k, n in other.steps_by_k.items():
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
@@ -93,7 +103,8 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """alpha = accepted / proposed (0.0 before anything was proposed)."""
+        """alpha = accepted / proposed (0.0 before anything was proposed). For a token tree this is per draft
+        node, so it is low by design (most siblings must lose); read ``acceptance_by_position`` (by depth)."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
@@ -117,7 +128,10 @@ class SpecStats:
     def expected_tokens_per_step(self) -> float:
         """The theory beside the measurement: expected_tokens_per_step(alpha, k) at the measured alpha, averaged
         over the steps' own k (drafts are cut short near max_tokens). It assumes acceptances independent of
-        each other; measured above it means they come in runs (a predictable stretch accepts all its drafts)."""
+        each other; measured above it means they come in runs (a predictable stretch accepts all its drafts).
+        A chain's formula: with token trees in the run it is None (a tree's nodes are not k positions)."""
+        if self.tree_steps:
+            return None
         if not self.num_steps:
             return 0.0
         alpha = self.acceptance_rate

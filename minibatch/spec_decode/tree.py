@@ -134,6 +134,12 @@ def greedy_path(parents, tokens, target_argmax) -> list:
         path.append(nxt)
 
 
+def judged_depths(parents, path) -> int:
+    """How many depths the target judged when it kept ``path``: each accepted node's, plus the next one unless
+    the path ended at a leaf (then nothing below it was tried). A chain's counterpart is min(k, accepted + 1)."""
+    return len(path) - 1 + int(path[-1] in parents)           # a node with children is some node's parent
+
+
 def from_choices(choices) -> tuple:
     """Medusa's static tree: each choice (r_0, ..., r_{d-1}) is the node whose token is head d-1's rank
     r_{d-1} guess, under the node (r_0, ..., r_{d-2}) (Cai et al. 2024 §2.1.2's Cartesian product, kept
