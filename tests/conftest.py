@@ -19,6 +19,16 @@ import pytest  # noqa: E402
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: with a second thread, contention on a shared 2-core machine costs ~100x. A file opts in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     # With CUDA, Triton compiles natively and refuses CPU tensors, and the interpreter is off: the tests that
     # drive the kernels with CPU tensors step aside (the `gpu` tests run the same kernels on the device).

@@ -26,13 +26,7 @@ def _has_triton_kernels():
     return hasattr(kernels, "paged_attention") and hasattr(kernels, "store_kv")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: with a second thread, contention on a shared 2-core machine costs ~100x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HAS_KERNELS = _has_triton_kernels()

@@ -18,12 +18,7 @@ from minibatch.kv.kv_cache import KVCache
 from minibatch.spec_decode import tree
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _has_kernels():
