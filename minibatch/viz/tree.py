@@ -241,7 +241,7 @@ def draw_tree(traces, step: int, seq_id=None, ax=None, numbers=None, legend=True
     col_pt = w_pt / (n_cols + 0.2)
     texts = [f"{i} {lab}" for i, lab in enumerate(labels)]
     if numbers is None:               # the node's index beside its byte, where the widest still leaves a gap
-        numbers = max(text_width_pt(x, st.small, "bold", "monospace") for x in texts) + 2.4 * st.small <= col_pt
+        numbers = max(text_width_pt(x, st.small, "bold", "monospace") for x in texts) + 1.6 * st.small <= col_pt
     if not numbers:
         texts = list(labels)
     root_color = seq_color(view["seq_id"], order or seq_order(traces))
