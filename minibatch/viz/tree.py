@@ -212,7 +212,8 @@ def _title(view, width_pt, size) -> str:
     kept = f"{a} draft{'s' * (a != 1)}"
     if view["target_label"] is not None:
         kept += f" + {view['target_kind']} {view['target_label']}"
-    parts = [f"token tree of {view['seq_id']}, step {view['step']}", f"{view['kind']}, {n} drafts",
+    kind = f"{view['kind']}, " if view["method"] or view["chain"] else ""       # (a hand-written tree: no kind)
+    parts = [f"token tree of {view['seq_id']}, step {view['step']}", f"{kind}{n} drafts",
              f"accepted path {arrows}", kept]
     if not view["chain"] and view["first_branch_accepted"] < a:
         parts.append(f"the first-ranked branch alone: {view['first_branch_accepted']}")
@@ -294,6 +295,17 @@ def draw_tree(traces, step: int, seq_id=None, ax=None, numbers=None, legend=True
             "numbers": numbers, "legend": handles}
 
 
+def _ticks(n: int, path, cell_pt: float, need_pt: float) -> list:
+    """Node labels along a mask axis: every node where a label fits its cell, else every 2nd, 4th, ...,
+    plus the accepted path's nodes wherever they do not crowd a neighbour."""
+    every = next((e for e in (1, 2, 4, 8, 16, 32) if cell_pt * e >= need_pt), 64)
+    ticks = list(range(0, n, every))
+    for i in path:
+        if all(abs(i - j) >= every for j in ticks if j != i):
+            ticks.append(i)
+    return sorted(set(ticks))
+
+
 @styled
 def draw_tree_mask(traces, step: int, seq_id=None, ax=None, legend=True) -> dict:
     """The tree mask of one sequence's tree in ``step`` as a heat map: row i = query node i, column j = key
@@ -321,16 +333,14 @@ def draw_tree_mask(traces, step: int, seq_id=None, ax=None, legend=True) -> dict
     ax.tick_params(which="minor", length=0)
     w_pt, h_pt = axes_size_pt(ax)
     cell_pt = min(w_pt, h_pt) / n
-    every = 1 if cell_pt >= 1.25 * st.small else 2 if cell_pt >= 0.7 * st.small else 4
-    ticks = sorted(set(range(0, n, every)) | on_path) if every == 1 else list(range(0, n, every))
-    if every > 1:                      # thinned: keep the path's labels where they do not crowd a neighbour
-        ticks = sorted(set(ticks) | {i for i in on_path if all(abs(i - j) >= every for j in ticks)})
+    xticks = _ticks(n, path, cell_pt, 1.3 * text_width_pt(str(n - 1), st.small, "bold"))   # labels side by side
+    yticks = _ticks(n, path, cell_pt, 1.25 * st.small)                                      # ... one above another
     ax.xaxis.set_ticks_position("top")
     ax.xaxis.set_label_position("top")
-    ax.set_xticks(ticks, [str(i) for i in ticks], fontsize=st.small)
-    ax.set_yticks(ticks, [str(i) for i in ticks], fontsize=st.small)
+    ax.set_xticks(xticks, [str(i) for i in xticks], fontsize=st.small)
+    ax.set_yticks(yticks, [str(i) for i in yticks], fontsize=st.small)
     ax.tick_params(which="major", length=0, labelsize=st.small)
-    for axis in (ax.xaxis, ax.yaxis):      # the path's rows and columns: labels in the accepted colour
+    for axis, ticks in ((ax.xaxis, xticks), (ax.yaxis, yticks)):   # the path's rows and columns: in its colour
         for tick, i in zip(axis.get_major_ticks(), ticks):
             if i in on_path:
                 for lab in (tick.label1, tick.label2):
