@@ -64,8 +64,9 @@ def main(argv=None) -> int:
     g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
     g.add_argument("--speculative", choices=["draft", "ngram"], default=None)
     g.add_argument("-k", type=int, default=3, help="speculative tokens per step")
-    d = sub.add_parser("demo", help="lecture demos: continuous, paged, speculative")
-    d.add_argument("scenario")
+    d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree")
+    d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), "
+                                    "or a saved trace (.json) to replay")
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")

@@ -44,6 +44,8 @@ class SeqStep:
     draft_parents: list = field(default_factory=list)   # a token tree: parents of [root] + drafts ([] = a chain;
                                                         # spec_decode/tree.py), so draft i is node i + 1
     accepted_path: list = field(default_factory=list)   # a tree: the accepted nodes [0, c1, ..., c_accepted]
+    root_token_id: Optional[int] = None                 # drafts verified: the token before them (a tree's root,
+                                                        # node 0: the last accepted token; None without drafts)
 
 
 @dataclass
@@ -117,6 +119,8 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
     paths = runner_output.accepted_paths or [[] for _ in out.scheduled]
     for s, toks, acc, path in zip(out.scheduled, runner_output.sampled_token_ids, runner_output.num_accepted, paths):
         k = len(s.spec_token_ids)
+        c, ids = s.num_computed_before, s.seq.token_ids      # the root is the token at c (a stop string that cut
+        root = ids[c] if k and c < len(ids) else None        # the output before it leaves it unknown)
         if s.spec_parents is not None:        # a tree: the +1 is a bonus when the accepted path reached a leaf
             bonus = int(k > 0 and path[-1] not in s.spec_parents)
         else:
@@ -125,7 +129,7 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
                              s.seq.num_prompt_tokens, s.seq.num_output_tokens, s.seq.request.priority,
                              proposed=k, accepted=acc, bonus=bonus, new_token_ids=list(toks),
                              draft_token_ids=list(s.spec_token_ids), draft_parents=list(s.spec_parents or []),
-                             accepted_path=list(path)))
+                             accepted_path=list(path), root_token_id=root))
     live = sched.live_seq_ids()
     spec = engine.config.speculative_config or {}
     return StepTrace(

@@ -86,6 +86,30 @@ def test_speculative_reports_acceptance_and_writes_slides_to_the_ignored_folder(
     assert "speculative decoding (draft model, k = 3)" in viz.run_title(rec.traces, rec.meta)
 
 
+def test_tree_draws_each_tree_and_the_step_still(tmp_path, capsys):
+    gif = tmp_path / "tree.gif"
+    code, out, _ = _run(capsys, "tree", "--small", "--out", str(gif))
+    assert code == 0
+    with Image.open(gif) as im:                                   # the slide preset's 16:9 frame (small dpi in CI)
+        assert im.format == "GIF" and im.size == (768, 432) and im.n_frames >= 2
+    with Image.open(tmp_path / "tree-step.png") as im:
+        assert im.size == (768, 432)
+    rec = TraceRecorder.load(tmp_path / "tree.json")
+    assert rec.meta["speculative"]["tree"] == "dynamic" and rec.traces[-1].speculative_method == "eagle"
+    trees = [s for t in rec.traces for s in t.scheduled if s.draft_parents]
+    assert trees and all(len(s.draft_parents) == s.proposed + 1 and s.root_token_id is not None for s in trees)
+    path = sum(s.accepted for s in trees) / len(trees)
+    assert "tree speculation (EAGLE-2 dynamic tree" in out and f"{len(trees)} trees verified" in out
+    assert f"accepted path: {path:.2f} drafts on average" in out
+    assert f"tokens per target forward (emitted per sequence: accepted + 1): {path + 1:.2f}" in out
+    emitted = sum(len(s.new_token_ids) for s in trees) / len(trees)
+    assert emitted == pytest.approx(path + 1)                    # what the sequences really got per forward
+    # every frame carries the tree column, the prefill's too: draw_step on the replayed file
+    from minibatch import viz
+    first, later = viz.draw_step(rec, rec.traces[0].step), viz.draw_step(rec, rec.traces[1].step)
+    assert len(first["fig"].axes) == len(later["fig"].axes) == 6 and later["tree"]["accepted"][0] == 0
+
+
 def test_text_only_prints_every_step_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, _ = _run(capsys, "static", "--small", "--text")
@@ -109,8 +133,10 @@ def test_bad_demo_input_is_a_clear_error(argv, needle, capsys, tmp_path, monkeyp
     assert code == 2 and needle in err
 
 
-def test_text_view_needs_no_matplotlib(tmp_path):
-    """--text is the fallback for machines without graphics: it must run with matplotlib absent."""
+@pytest.mark.parametrize("scenario", ["static", "tree"])
+def test_text_view_needs_no_matplotlib(tmp_path, scenario):
+    """--text is the fallback for machines without graphics: it must run with matplotlib absent (and print
+    a token tree as an outline)."""
     script = (
         "import sys\n"
         "class Block:\n"
@@ -119,8 +145,14 @@ def test_text_view_needs_no_matplotlib(tmp_path):
         "            raise ImportError('matplotlib is blocked in this test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from minibatch.__main__ import main\n"
-        "sys.exit(main(['demo', 'static', '--small', '--text']))\n")
+        f"sys.exit(main(['demo', {scenario!r}, '--small', '--text']))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this checkout's minibatch, not an install's
+    path = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 0 · static" in res.stdout and "static: " in res.stdout
+    assert "step 0 · continuous" in res.stdout if scenario == "tree" else "step 0 · static" in res.stdout
+    assert f"{scenario}: " in res.stdout
+    if scenario == "tree":                # the outline: the root, the accepted path marked, the target's token
+        assert "\u25cf 0 " in res.stdout and "root, position" in res.stdout and "(the target's token)" in res.stdout
+        assert "\u251c\u2500\u25cb" in res.stdout or "\u2514\u2500\u25cb" in res.stdout

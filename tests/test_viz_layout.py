@@ -11,8 +11,9 @@ A text of one panel may not run into another panel's area either (the
 other's background would hide it, as it cut a legend entry to "cache entry
 evicted thi"). Inputs cover the cases that broke layouts before: notebook 02's prefix-sharing
 run (long titles over a narrow pool), a 128-block pool with a 512-token budget
-over 86+ steps, many live rows, a pool wide enough for 32 columns, and
-speculative runs; each at the default size and at the slide size.
+over 86+ steps, many live rows, a pool wide enough for 32 columns,
+speculative runs, and token trees (a real EAGLE-2 run, and random trees of 16 and 32 drafts: the
+tree, its mask heat map, and the dashboard's tree panel); each at the default size and at the slide size.
 """
 import pathlib
 import sys
@@ -99,7 +100,12 @@ RUNS = {
     "many-rows": random_run(5, num_seqs=40, num_blocks=96, max_num_seqs=14, budget=256, arrive_within=20),
     "wide-pool": random_run(7, num_seqs=10, num_blocks=300, block_size=4, budget=128),
     "speculative": random_run(9, num_seqs=6, num_blocks=40, k=4, output=(10, 30)),
+    "eagle-tree": TraceRecorder.load(FIXTURES / "engine_eagle_tree.json").traces,
+    "random-tree": random_run(13, num_seqs=6, num_blocks=60, k=16, output=(10, 30), tree=True),
 }
+TREE_RUNS = {"eagle-tree": RUNS["eagle-tree"], "random-tree": RUNS["random-tree"],
+             "random-tree-32": random_run(17, num_seqs=3, num_blocks=60, k=32, budget=128, output=(20, 40),
+                                          tree=True)}
 
 
 def middle(traces):
@@ -124,6 +130,11 @@ RENDERERS = {
     "draw_kv_usage": lambda tr, s, p: viz.draw_kv_usage(tr, upto=s, highlight=s, preset=p),
     "draw_throughput": lambda tr, s, p: viz.draw_throughput(tr, upto=s, highlight=s, preset=p),
 }
+TREE_RENDERERS = {
+    "draw_tree": lambda tr, s, p: viz.draw_tree(tr, s, preset=p),
+    "draw_tree_mask": lambda tr, s, p: viz.draw_tree_mask(tr, s, preset=p),
+    "draw_step": lambda tr, s, p: viz.draw_step(tr, s, preset=p),
+}
 CASES = ([(name, run) for name in RENDERERS for run in ("synthetic", "prefix-sharing", "128-blocks-long")]
          + [("draw_step", run) for run in RUNS if run not in ("synthetic", "prefix-sharing", "128-blocks-long")]
          + [("draw_blocks", "wide-pool"), ("draw_block_tables", "many-rows"), ("draw_timeline", "many-rows"),
@@ -139,6 +150,28 @@ def test_no_text_overlaps_or_leaves_the_figure(renderer, run, preset):
         steps.add(traces[-1].step)                         # every table freed: an empty panel
     for step in sorted(steps):
         fig = figure_of(RENDERERS[renderer](traces, step, preset))
+        problems = text_problems(fig, SLIDE_MIN_PX if preset == "slide" else None)
+        assert not problems, f"{renderer} on {run}, step {step}, {preset}:\n  " + "\n  ".join(problems[:12])
+        if preset == "slide":
+            assert fig.canvas.get_width_height() == (1920, 1080)
+        plt.close("all")
+
+
+def tree_cases(traces) -> list:
+    """The tree steps to draw: the biggest tree (most rows), the deepest path, and one in the middle."""
+    views = [viz.step_tree(traces, t.step) for t in traces if viz.tree_steps([t])]
+    rows = lambda v: sum(1 for k in v["children"] if not k) + 1                  # noqa: E731
+    return sorted({max(views, key=rows)["step"], max(views, key=lambda v: len(v["accepted"]))["step"],
+                   views[len(views) // 2]["step"]})
+
+
+@pytest.mark.parametrize("preset", ["default", "slide"])
+@pytest.mark.parametrize("run", list(TREE_RUNS))
+@pytest.mark.parametrize("renderer", list(TREE_RENDERERS))
+def test_tree_text_fits(renderer, run, preset):
+    traces = TREE_RUNS[run]
+    for step in tree_cases(traces):
+        fig = figure_of(TREE_RENDERERS[renderer](traces, step, preset))
         problems = text_problems(fig, SLIDE_MIN_PX if preset == "slide" else None)
         assert not problems, f"{renderer} on {run}, step {step}, {preset}:\n  " + "\n  ".join(problems[:12])
         if preset == "slide":

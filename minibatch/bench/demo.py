@@ -5,6 +5,8 @@
     python -m minibatch demo paged                 blocks allocated, shared (prefix cache, fork),
                                                    freed, evicted and preempted
     python -m minibatch demo speculative           draft proposals accepted and rejected
+    python -m minibatch demo tree                  token trees (EAGLE-2): many guesses verified in one
+                                                   forward, the longest accepted path kept
     python -m minibatch demo run.json              replay a saved trace (no model needed)
 
 Each scenario runs the shipped model through the real engine, records every step
@@ -14,12 +16,14 @@ with a ``TraceRecorder``, prints a short summary, and writes into ``out/demo/``
     <scenario>.gif      the dashboard, one frame per step (``--out`` picks another path: .gif/.html/.mp4/.png)
     <scenario>.json     the recorded trace: replay it later without computing anything
     continuous-comparison.png   (continuous only) the two runs side by side
+    tree-step.png       (tree only) one verify step: the tree and its tree mask, side by side
 
 Frames use the slide preset: 1920×1080 with no text under 18 px, readable when
 projected. ``--text`` prints the per-step text view instead of drawing (a
 terminal, an SSH session, a machine without graphics); ``--small`` runs a
-smaller workload and draws small frames (CI). The scenarios are deterministic:
-greedy decoding (or seeded sampling), fixed prompts.
+smaller workload and draws small frames (CI); under ``--text`` the tree scenario
+prints each tree as an outline. The scenarios are deterministic: greedy decoding
+(or seeded sampling), fixed prompts.
 """
 from __future__ import annotations
 
@@ -30,9 +34,12 @@ from minibatch.engine.engine import LLMEngine
 from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
-SCENARIOS = ("continuous", "static", "paged", "speculative")
+SCENARIOS = ("continuous", "static", "paged", "speculative", "tree")
 OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
 SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
+TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5, "topk": 4}
+# Greedy continuations the EAGLE head half knows: paths of 1 to 5 drafts, often through a later sibling.
+TREE_PROMPTS = ["try:\n    import json\n", "for i in range(", "# Copyright 2001\n", "class Stack:\n    def push(self"]
 
 # Short code prompts; their greedy continuations are predictable enough for a draft to guess.
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -112,6 +119,41 @@ def scenario_speculative(model, small: bool) -> dict:
     return {"speculative": (rec, None)}
 
 
+def scenario_tree(model, small: bool) -> dict:
+    """EAGLE-2's dynamic tree: 16 drafts a sequence and step, grown where the head is confident, verified in one
+    forward. Greedy: the longest path of argmax matches is kept (sampling takes the tree rule, rejection_sampler's
+    tree_rejection_sample)."""
+    n = 2 if small else 4
+    arrivals = [(0, f"t{i}", TREE_PROMPTS[i], SamplingParams(temperature=0, max_tokens=12 if small else 32))
+                for i in range(n)]
+    rec = _record(model, arrivals, {"scenario": "tree", "speculative": TREE}, block_size=8, num_gpu_blocks=48,
+                  max_num_seqs=4, max_num_batched_tokens=96, speculative_config=dict(TREE))
+    return {"tree": (rec, None)}
+
+
+def tree_lines(traces: list, meta=None) -> list:
+    """Token trees: how long the kept path was, what the drafter's first-ranked branch alone (a chain of its top
+    guesses) would have kept, and the tokens per target forward."""
+    from minibatch.viz.tree import step_tree, tree_label                   # matplotlib-free, as the text view
+    views = [step_tree(traces, t.step, s.seq_id) for t in traces for s in t.scheduled if s.draft_parents]
+    if not views:
+        return []
+    spec = dict((meta or {}).get("speculative") or {})
+    kind = tree_label(spec.get("method") or traces[-1].speculative_method)
+    shape = ", ".join(f"{k} {spec[k]}" for k in ("depth", "topk") if k in spec)
+    nodes = sum(len(v["parents"]) - 1 for v in views) / len(views)
+    path = sum(len(v["accepted"]) - 1 for v in views) / len(views)
+    first = sum(v["first_branch_accepted"] for v in views) / len(views)
+    later = sum(v["first_branch_accepted"] < len(v["accepted"]) - 1 for v in views)
+    batched = sum(t.num_batched_tokens for t in traces) / len(traces)
+    return [f"  tree speculation ({kind}, {nodes:.1f} drafts a tree{', ' + shape if shape else ''}): "
+            f"{len(views)} trees verified",
+            f"    accepted path: {path:.2f} drafts on average; the first-ranked branch alone: {first:.2f} "
+            f"({later} of {len(views)} paths went through a later sibling)",
+            f"    tokens per step, batched (all sequences, drafts included):   {batched:.1f}",
+            f"    tokens per target forward (emitted per sequence: accepted + 1): {path + 1:.2f}"]
+
+
 def speculation_lines(traces: list, meta=None) -> list:
     """Acceptance, and the two rates a lecturer must not confuse: tokens batched per step (drafts count) and
     tokens emitted per target forward. A verify step emits its accepted drafts plus one token of the target's
@@ -120,6 +162,8 @@ def speculation_lines(traces: list, meta=None) -> list:
     s = run_stats(traces)
     if not s.get("spec_proposed"):
         return []
+    if any(x.draft_parents for t in traces for x in t.scheduled):
+        return tree_lines(traces, meta)
     prop, acc = s["spec_proposed"], s["spec_accepted"]
     spec = dict((meta or {}).get("speculative") or {})
     method = spec.get("method") or s["speculative_method"]
@@ -169,6 +213,22 @@ def _write(rec: TraceRecorder, path: pathlib.Path, small: bool) -> list:
     return written
 
 
+def _write_tree_step(rec: TraceRecorder, path: pathlib.Path, small: bool) -> pathlib.Path:
+    """One verify step as a slide: the tree (left) and its tree mask (right). The step shown is the one whose
+    accepted path beats the drafter's first-ranked branch by the most (what a chain would have lost)."""
+    from minibatch.viz.anim import new_figure
+    from minibatch.viz.tree import draw_tree, draw_tree_mask, step_tree
+    views = [step_tree(rec, t.step, s.seq_id) for t in rec.traces for s in t.scheduled if s.draft_parents]
+    best = max(views, key=lambda v: (len(v["accepted"]) - 1 - v["first_branch_accepted"], len(v["accepted"])))
+    fig = new_figure(dpi=40 if small else None, preset="slide")
+    fig.set_layout_engine("constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1.5, 1])
+    draw_tree(rec, best["step"], best["seq_id"], ax=left, numbers=True, preset="slide")   # the mask's indices
+    draw_tree_mask(rec, best["step"], best["seq_id"], ax=right, preset="slide")
+    fig.savefig(path)
+    return path
+
+
 def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False) -> int:
     path = pathlib.Path(out) if out else OUT_DIR / f"{pathlib.Path(scenario).stem}.gif"
     if not text_only:                                  # a bad file name fails now, not after the run
@@ -200,7 +260,8 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             if scenario == "static":
                 runs = {"static": runs["static"]}
         else:
-            runs = {"paged": scenario_paged, "speculative": scenario_speculative}[scenario](model, small)
+            runs = {"paged": scenario_paged, "speculative": scenario_speculative,
+                    "tree": scenario_tree}[scenario](model, small)
         name = scenario
     for label, (rec, seconds) in runs.items():
         if text_only:
@@ -226,5 +287,8 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
         comparison = path.with_name(path.stem + "-comparison.png")
         fig.savefig(comparison)
         written.append(comparison)
+    from minibatch.viz.common import has_trees
+    if has_trees(rec.traces):
+        written.append(_write_tree_step(rec, path.with_name(path.stem + "-step.png"), small))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

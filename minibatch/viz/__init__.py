@@ -9,6 +9,8 @@ run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
     draw_kv_usage(rec)            used / cached-free / free blocks over steps
     draw_throughput(rec)          tokens per step against the token budget
     draw_comparison(a, b)         two runs of one workload side by side (static vs continuous)
+    draw_tree(rec, step)          one sequence's token tree in a verify step, the accepted path coloured
+    draw_tree_mask(rec, step)     that tree's attention mask as a heat map (rows query, columns key)
     animate(rec) / save(rec, "run.gif" | ".html" | ".mp4" | ".png")
     step_through(rec)             Jupyter: Play / slider / Prev / Next
     live(engine)                  Jupyter: one engine.step() per click
@@ -26,10 +28,10 @@ and notebooks can check it. The rooms, one idea each:
     blocks     block pool and block tables          timeline   batch membership
     usage      occupancy, throughput, comparison    dashboard  draw_step
     anim       animate, save                        widget     step_through, live
-    text       text_view, print_trace
+    text       text_view, print_trace                tree       draw_tree, draw_tree_mask, step_tree
 """
-# name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text)
-# load without matplotlib and `import minibatch.viz` stays cheap.
+# name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text; tree
+# until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
 _WHERE = {
     **dict.fromkeys(['WriterUnavailableError', 'animate', 'busiest_step', 'frame_steps', 'save', 'to_html'], 'anim'),
     **dict.fromkeys(['block_owners', 'block_state', 'draw_block_tables', 'draw_blocks'], 'blocks'),
@@ -37,7 +39,8 @@ _WHERE = {
                      'using'], 'common'),
     **dict.fromkeys(['SEQ_PALETTE', 'SEQ_PALETTE_LARGE', 'alive_sets', 'seq_color', 'seq_order'], 'palette'),
     **dict.fromkeys(['draw_step', 'step_title'], 'dashboard'),
-    **dict.fromkeys(['print_trace', 'text_view'], 'text'),
+    **dict.fromkeys(['print_trace', 'text_view', 'tree_outline'], 'text'),
+    **dict.fromkeys(['draw_tree', 'draw_tree_mask', 'step_tree', 'token_label', 'tree_steps', 'tree_trace'], 'tree'),
     **dict.fromkeys(['draw_timeline', 'run_title', 'speculation', 'timeline_cells'], 'timeline'),
     **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
     **dict.fromkeys(['live', 'step_through'], 'widget'),
@@ -57,5 +60,6 @@ __all__ = [
     "seq_color", "seq_order", "timeline_cells", "speculation", "block_owners", "block_state", "evicted_blocks",
     "kv_usage", "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
     "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "SEQ_PALETTE_LARGE", "TraceError", "WriterUnavailableError",
-    "PRESETS", "using", "alive_sets", "run_title",
+    "PRESETS", "using", "alive_sets", "run_title", "draw_tree", "draw_tree_mask", "step_tree", "token_label",
+    "tree_steps", "tree_trace", "tree_outline",
 ]

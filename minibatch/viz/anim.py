@@ -29,7 +29,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from minibatch.trace import TraceRecorder
-from minibatch.viz.common import DASHBOARD_SIZE, as_traces, find_step, get_preset
+from minibatch.viz.common import as_traces, dashboard_size, find_step, get_preset
 from minibatch.viz.dashboard import draw_step
 from minibatch.viz.usage import kv_usage
 
@@ -66,11 +66,11 @@ def frame_steps(traces, steps=None, max_frames: int = 60) -> list:
     return steps
 
 
-def new_figure(figsize=None, dpi: int = None, preset="default") -> Figure:
+def new_figure(figsize=None, dpi: int = None, preset="default", traces=None) -> Figure:
     """A figure outside pyplot (no window, no double display), drawn by Agg; size and dpi by default
-    from ``preset`` (the dashboard's size at "default")."""
+    from ``preset`` (the dashboard's size at "default", wider when ``traces`` hold token trees)."""
     p = get_preset(preset)
-    fig = Figure(figsize=figsize or p.figsize or DASHBOARD_SIZE, dpi=dpi or p.dpi)
+    fig = Figure(figsize=figsize or p.figsize or dashboard_size(traces), dpi=dpi or p.dpi)
     FigureCanvasAgg(fig)
     return fig
 
@@ -84,7 +84,7 @@ def animate(traces, interval: int = 700, steps=None, max_frames: int = 60, dpi: 
     """The dashboard across steps, ``interval`` ms per frame."""
     meta, traces = _meta(traces), as_traces(traces)
     chosen = frame_steps(traces, steps, max_frames)
-    fig = new_figure(figsize, dpi, preset)
+    fig = new_figure(figsize, dpi, preset, traces)
 
     def update(step):
         draw_step(traces, step, fig=fig, meta=meta, preset=preset)
@@ -124,7 +124,7 @@ def _contact_sheet(traces, steps, path, dpi, preset, meta):
     from PIL import Image
     tiles = []
     for s in steps:
-        fig = new_figure(dpi=dpi, preset=preset)
+        fig = new_figure(dpi=dpi, preset=preset, traces=traces)
         draw_step(traces, s, fig=fig, meta=meta, preset=preset)
         fig.canvas.draw()
         tiles.append(np.asarray(fig.canvas.buffer_rgba())[..., :3])
@@ -154,7 +154,7 @@ def save(traces, path, steps=None, max_frames: int = 40, interval: int = 700, dp
     check_writer(suffix)
     if suffix == ".png":
         if steps is None:
-            fig = new_figure(dpi=dpi, preset=preset)
+            fig = new_figure(dpi=dpi, preset=preset, traces=traces)
             draw_step(traces, busiest_step(traces) if step is None else step, fig=fig, meta=meta, preset=preset)
             fig.savefig(path)
         else:

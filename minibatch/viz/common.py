@@ -44,6 +44,7 @@ PHASE_LABELS = {
     "padding": "padding slot (static)", "waiting": "waiting", "finished": "finished",
 }
 SPEC_REJECTED_COLOR = "#FFFFFF"    # a rejected draft token: an empty sliver in a decode cell
+SPEC_TARGET_COLOR = "#00573F"      # the target model's own token in a speculative step (darker decode green)
 
 # -- block pool states --------------------------------------------------------------
 FREE_COLOR = "#FFFFFF"
@@ -72,6 +73,7 @@ PRESETS = {
     "slide": Preset("slide", (19.2, 10.8), 100, 16, 13.5, 18),
 }
 DASHBOARD_SIZE = (13, 7.5)       # the dashboard at the default preset
+DASHBOARD_TREE_SIZE = (16, 7.5)  # ... of a run with token trees: a third column, the tree
 _current = [PRESETS["default"]]
 
 
@@ -107,6 +109,16 @@ def styled(fn):
         with using(preset):
             return fn(*args, **kwargs)
     return wrapper
+
+
+def has_trees(traces) -> bool:
+    """Did any sequence verify a token tree in ``traces``? (Then the dashboard has a tree column.)"""
+    return any(s.draft_parents for t in as_traces(traces) for s in t.scheduled)
+
+
+def dashboard_size(traces=None) -> tuple:
+    """The dashboard's size at the default preset: wider for a run with token trees."""
+    return DASHBOARD_TREE_SIZE if traces is not None and has_trees(traces) else DASHBOARD_SIZE
 
 
 def figsize_for(own: tuple) -> tuple:
@@ -189,10 +201,23 @@ def axes_size_pt(ax) -> tuple:
     return pos.width * w * 72, pos.height * h * 72
 
 
-def text_width_pt(text: str, size: float, weight: str = "normal") -> float:
-    """The width of ``text`` in points at font ``size``, as matplotlib's default font sets it (bold: wider)."""
+def text_width_pt(text: str, size: float, weight: str = "normal", family=None) -> float:
+    """The width of ``text`` in points at font ``size``, as matplotlib's default font (or ``family``, e.g.
+    "monospace") sets it (bold: wider)."""
     from matplotlib.font_manager import FontProperties     # here: this module loads without matplotlib
     from matplotlib.textpath import text_to_path
-    prop = FontProperties(size=size, weight=weight)
+    prop = FontProperties(size=size, weight=weight, family=family)
     return max(text_to_path.get_text_width_height_descent(line, prop, ismath=False)[0]
                for line in str(text).split("\n"))
+
+
+def wrap_title(title: str, width_pt: float, size: float, sep: str = "  ·  ", weight: str = "bold") -> str:
+    """Break a ' · '-joined title into lines no wider than ``width_pt``."""
+    lines, line = [], ""
+    for part in title.split(sep):
+        candidate = line + sep + part if line else part
+        if line and text_width_pt(candidate, size, weight) > width_pt:
+            lines.append(line)
+            candidate = part
+        line = candidate
+    return "\n".join(lines + [line])

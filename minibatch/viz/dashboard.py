@@ -10,6 +10,11 @@
     +-------------------------------------+------------------------+
               one legend: only what occurs in this run
 
+A run that verified token trees gets a third column, the **token tree** of
+one sequence (``draw_tree``: the accepted path coloured, the target's token
+after it), in every frame, so an animation does not jump: a step without a
+tree (the prefill) says so in it.
+
 The title line reads the step like a log line: who ran, who waited, who was
 preempted or finished, how full the token budget and the pool were, and, for
 a speculative run, that it speculates, with which proposer and k.
@@ -24,8 +29,8 @@ from __future__ import annotations
 
 from minibatch.trace import TraceRecorder
 from minibatch.viz.blocks import draw_block_tables, draw_blocks, pool_title
-from minibatch.viz.common import (DASHBOARD_SIZE, as_traces, figsize_for, find_step, style, styled,
-                                  text_width_pt)
+from minibatch.viz.common import (as_traces, dashboard_size, figsize_for, find_step, has_trees, style, styled,
+                                  wrap_title)
 from minibatch.viz.palette import seq_order
 from minibatch.viz.timeline import draw_timeline, run_title
 from minibatch.viz.usage import draw_kv_usage, draw_throughput, legend_columns, merge_handles
@@ -49,35 +54,47 @@ def step_title(t, run: str = None) -> str:
     return "  ·  ".join(parts)
 
 
-def wrap_title(title: str, width_pt: float, size: float, sep: str = "  ·  ", weight: str = "bold") -> str:
-    """Break a ' · '-joined title into lines no wider than ``width_pt``."""
-    lines, line = [], ""
-    for part in title.split(sep):
-        candidate = line + sep + part if line else part
-        if line and text_width_pt(candidate, size, weight) > width_pt:
-            lines.append(line)
-            candidate = part
-        line = candidate
-    return "\n".join(lines + [line])
+def _tree_panel(traces, t, ax, order, tree_seq):
+    """The token tree of ``tree_seq`` (None: the first sequence in the batch that verified one), or a note."""
+    from minibatch.viz.tree import draw_tree
+    st = style()
+    trees = [s.seq_id for s in t.scheduled if s.draft_parents]
+    if tree_seq in trees or (tree_seq is None and trees):
+        result = draw_tree(traces, t.step, tree_seq or trees[0], ax=ax, legend=False, order=order)
+        return result
+    why = "prefill" if all(s.phase != "decode" for s in t.scheduled) else "no drafts verified"
+    who = f" for {tree_seq}" if tree_seq is not None else ""
+    ax.text(0.5, 0.5, f"no token tree{who} this step\n({why})", ha="center", va="center", fontsize=st.font,
+            color="#767676", transform=ax.transAxes)
+    ax.set_axis_off()
+    return None
 
 
 @styled
-def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None) -> dict:
+def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree_seq=None) -> dict:
     """Draw the dashboard of ``step`` onto ``fig`` (cleared first; a new pyplot
     figure when None). ``meta`` (or a TraceRecorder's own) names a speculative
-    run's proposer in the title. Returns {"fig", "step", "timeline", "blocks",
-    "tables", "kv", "throughput", "legend"}: each view's own inspectable result."""
+    run's proposer in the title. A run with token trees adds the tree panel (of
+    ``tree_seq``, None: the first sequence in the batch with a tree). Returns
+    {"fig", "step", "timeline", "blocks", "tables", "kv", "throughput", "tree",
+    "legend"}: each view's own inspectable result ("tree" None without one)."""
     meta = meta if meta is not None else getattr(traces, "meta", None) if isinstance(traces, TraceRecorder) else None
     traces = as_traces(traces)
     t = find_step(traces, step)
     st = style()
     if fig is None:
         import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=figsize_for(DASHBOARD_SIZE))
+        fig = plt.figure(figsize=figsize_for(dashboard_size(traces)))
     fig.clear()
     fig.set_layout_engine("constrained")
     order = seq_order(traces)
-    grid = fig.add_gridspec(4, 2, width_ratios=[1.45, 1], height_ratios=[1, 1, 0.8, 0.8])
+    trees = has_trees(traces)
+    ratios = [1.3, 0.8, 1.0] if trees else [1.45, 1]
+    if trees:       # the tree in a gridspec of its own: its title and labels leave the other panels' rows alone
+        outer = fig.add_gridspec(1, 2, width_ratios=[ratios[0] + ratios[1], ratios[2]])
+        grid = outer[0].subgridspec(4, 2, width_ratios=ratios[:2], height_ratios=[1, 1, 0.8, 0.8])
+    else:
+        grid = fig.add_gridspec(4, 2, width_ratios=ratios, height_ratios=[1, 1, 0.8, 0.8])
     timeline = draw_timeline(traces, ax=fig.add_subplot(grid[0:2, 0]), upto=step, highlight=step,
                              legend=False, order=order, window=window)
     first, last = timeline["xlim"]
@@ -92,16 +109,25 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None) -> d
     kv["ax"].tick_params(labelbottom=False)
     throughput["ax"].set_xlabel("")
     blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order, legend=False)
-    blocks["ax"].set_title(pool_title(blocks["counts"]) + f"\n(block = row + column, {t.block_size} tokens each)",
-                           fontsize=st.font, loc="left")
+    pool = [pool_title(blocks["counts"]), f"(block = row + column, {t.block_size} tokens each)"]
+    if trees:                            # a narrower column: break the lines where they would run into the tree's
+        width = fig.get_figwidth() * 72 * ratios[1] / sum(ratios) * 0.92
+        pool = [wrap_title(line, width, st.font, sep=", ", weight="normal") for line in pool]
+    blocks["ax"].set_title("\n".join(pool), fontsize=st.font, loc="left")
+    if trees:
+        blocks["ax"].set_anchor("N")     # equal aspect in a narrower column: keep its title where the layout put it
     tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
+    tree = _tree_panel(traces, t, fig.add_subplot(outer[0, 1]), order, tree_seq) if trees else None
     fig.suptitle(wrap_title(step_title(t, run_title(traces, meta)), fig.get_figwidth() * 72 * 0.97, st.headline),
                  fontsize=st.headline, x=0.01, ha="left", fontweight="bold")
     # one legend for every view, whole-run entries only (stable across frames); the tokens panel's bars
     # wear the phase colours, already in the timeline's entries
     extra = [h for h in throughput["legend"] if not h.get_label().endswith(" tokens")]
+    if trees:
+        from minibatch.viz.tree import legend_handles as tree_handles
+        extra = extra + tree_handles()
     handles = merge_handles(timeline["legend"], kv["legend"], extra, blocks["legend"])
     fig.legend(handles=handles, loc="outside lower center", ncols=legend_columns(fig, handles, st.small),
                fontsize=st.small, frameon=False)
     return {"fig": fig, "step": step, "timeline": timeline, "blocks": blocks, "tables": tables,
-            "kv": kv, "throughput": throughput, "legend": handles}
+            "kv": kv, "throughput": throughput, "tree": tree, "legend": handles}

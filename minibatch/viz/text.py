@@ -9,8 +9,20 @@
 
 "kv a->b" is the sequence's cached tokens before and after the step (rejected
 draft tokens rolled back); "out" counts its generated tokens so far; under
-speculation, "drafts 'kept'|'rejected'" shows what the proposer guessed. No
-matplotlib here: this module works wherever Python does.
+speculation, "drafts 'kept'|'rejected'" shows what the proposer guessed. A
+token tree prints as an outline under its sequence (``tree_outline``): one
+node a line, children in the drafter's order, the accepted path marked ●,
+rejected nodes ○, and the target's own token after the path:
+
+      A    decode    17 tok  kv 21->24  out 9   tree 2/16 accepted + bonus  path 'cl' + 'a'
+        ● 0 '_'  root, position 21
+        ├─● 1 'c'
+        │ ├─○ 7 'o'
+        │ └─● 10 'l'
+        │   └─▶ 'a'  bonus (the target's token)
+        └─○ 2 'n'
+
+No matplotlib here: this module works wherever Python does.
 """
 from __future__ import annotations
 
@@ -19,10 +31,37 @@ import sys
 from minibatch.model.tokenizer import decode
 from minibatch.trace import StepTrace
 from minibatch.viz.common import as_traces
+from minibatch.viz.tree import step_tree
 
 
 def _names(ids) -> str:
     return ", ".join(ids) if ids else "-"
+
+
+def tree_outline(traces, step: int, seq_id=None, indent: str = "") -> str:
+    """One sequence's token tree in ``step`` as an indented outline (see the module doc); ``seq_id`` None:
+    the first that verified a tree. Raises TraceError on a step without one."""
+    v = step_tree(traces, step, seq_id)
+    kids, path, labels = v["children"], v["accepted"], v["labels"]
+    on_path = set(path)
+    where = f"position {v['context_len']}" if v["context_len"] else "depth 0"
+    lines = [f"{indent}\u25cf 0 {labels[0]}  root, {where}"]
+
+    def walk(node, prefix):
+        below = kids[node] + (["target"] if node == path[-1] and v["target_label"] is not None else [])
+        for n, child in enumerate(below):
+            last = n == len(below) - 1
+            branch, more = ("\u2514\u2500", "  ") if last else ("\u251c\u2500", "\u2502 ")
+            if child == "target":
+                lines.append(f"{indent}{prefix}{branch}\u25b6 {v['target_label']}  {v['target_kind']} "
+                             f"(the target's token)")
+                continue
+            mark = "\u25cf" if child in on_path else "\u25cb"
+            lines.append(f"{indent}{prefix}{branch}{mark} {child} {labels[child]}")
+            walk(child, prefix + more)
+
+    walk(0, "")
+    return "\n".join(lines)
 
 
 def text_view(trace: StepTrace) -> str:
@@ -41,7 +80,14 @@ def text_view(trace: StepTrace) -> str:
         after = s.num_computed_before + s.num_tokens - (s.proposed - s.accepted)
         kv = f"{s.num_computed_before}->{after}"
         line = f"  {s.seq_id:<{width}} {s.phase:<8} {s.num_tokens:>4} tok  kv {kv:<9} out {s.num_output_tokens}"
-        if s.proposed:
+        tree = bool(s.draft_parents) and len(s.accepted_path) == s.accepted + 1
+        if tree:                           # the path's drafts, then the target's token: 'cl' + 'a'
+            d = s.draft_token_ids
+            line += (f"   tree {s.accepted}/{s.proposed} accepted" + (" + bonus" if s.bonus else "")
+                     + f"  path {decode([d[i - 1] for i in s.accepted_path[1:]])!r}"
+                     + (f" + {decode(s.new_token_ids[s.accepted:s.accepted + 1])!r}"
+                        if len(s.new_token_ids) > s.accepted else ""))
+        elif s.proposed:
             line += f"   spec {s.accepted}/{s.proposed} accepted" + (" + bonus" if s.bonus else "")
             if s.draft_token_ids:          # the drafts, the kept ones before the bar: 'def|ault'
                 d = s.draft_token_ids
@@ -49,6 +95,8 @@ def text_view(trace: StepTrace) -> str:
         if s.seq_id in t.finished:
             line += "   finished"
         lines.append(line.rstrip())
+        if tree:
+            lines.append(tree_outline([t], t.step, s.seq_id, indent=" " * 4))
     lines.append(f"  admitted: {_names(t.admitted)} · preempted: {_names(t.preempted)} · "
                  f"finished: {_names(t.finished)}")
     scheduled = {s.seq_id for s in t.scheduled}

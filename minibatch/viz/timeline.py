@@ -34,11 +34,9 @@ import math
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from minibatch.viz.common import (PHASE_COLORS, PHASE_LABELS, SPEC_REJECTED_COLOR, as_traces, axes_size_pt,
-                                  new_axes, short_label, style, styled, text_color_on, text_width_pt)
+from minibatch.viz.common import (PHASE_COLORS, PHASE_LABELS, SPEC_REJECTED_COLOR, SPEC_TARGET_COLOR, as_traces,
+                                  axes_size_pt, new_axes, short_label, style, styled, text_color_on, text_width_pt)
 from minibatch.viz.palette import seq_color, seq_order
-
-SPEC_TARGET_COLOR = "#00573F"     # the target model's own token in a speculative step (darker decode green)
 
 
 def timeline_cells(traces) -> dict:
@@ -131,8 +129,8 @@ def step_window(steps: list, center, window) -> tuple:
 
 
 def run_title(traces, meta=None) -> str:
-    """'continuous batching', or '... + speculative decoding (draft model, k = 3)' when drafts were verified.
-    The method and k come from the trace (``StepTrace.speculative_method``), else from ``meta``
+    """'continuous batching', or '... + speculative decoding (draft model, k = 3)' when drafts were verified,
+    or '... + tree speculation (EAGLE-2 dynamic tree, up to 16 drafts)' when they were token trees. The method and k come from the trace (``StepTrace.speculative_method``), else from ``meta``
     (TraceRecorder.meta, for traces recorded before the trace carried them), else k is the longest proposal."""
     traces = as_traces(traces)
     title = f"{traces[0].scheduling} batching"
@@ -142,6 +140,9 @@ def run_title(traces, meta=None) -> str:
         last = traces[-1]
         method = getattr(last, "speculative_method", None) or spec.get("method")
         method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(method, method)
+        if any(s.draft_parents for t in traces for s in t.scheduled):      # a token tree: N drafts, not a chain
+            from minibatch.viz.tree import tree_label
+            return title + f" + tree speculation ({tree_label(method)}, up to {k} drafts)"
         k = getattr(last, "num_speculative_tokens", 0) or spec.get("num_speculative_tokens", k)
         title += f" + speculative decoding ({method + ', ' if method else ''}k = {k})"
     return title

@@ -149,7 +149,7 @@ def step_through(traces, interval: int = 700, dpi: int = 90, static_frames: int 
     except ImportError as e:
         return _fallback(traces, str(e))
     steps = [t.step for t in traces]
-    fig = new_figure(dpi=dpi, preset=preset)
+    fig = new_figure(dpi=dpi, preset=preset, traces=traces)
     slider = W.IntSlider(value=steps[0], min=steps[0], max=steps[-1], description="step",
                          continuous_update=False, layout=W.Layout(width="60%"))
     play = W.Play(value=steps[0], min=steps[0], max=steps[-1], step=1, interval=interval)
