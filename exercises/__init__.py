@@ -75,6 +75,8 @@ PIECES = {p.name: p for p in (
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),
     Piece("scheduler", "ex7", "ex7_scheduler", "Scheduler", "minibatch.engine.scheduler", "scheduler step"),
+    Piece("tree_mask", "ex8", "ex8_tree_mask", "ancestor_mask", "minibatch.spec_decode.tree",
+          "tree mask and positions", also=("positions", "greedy_path")),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
           "paged decode kernel", helpers=("_paged_decode_kernel",)),
 )}
@@ -90,6 +92,11 @@ CALL_SITES = {
     "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
+    # the engine reads these as tree.<name> at each call (attention.py, model_runner.py), and tree.mask_bits
+    # calls ancestor_mask, so rebinding them in the tree module reaches every use
+    "tree_mask": [("minibatch.spec_decode.tree", "ancestor_mask"),
+                  ("minibatch.spec_decode.tree", "positions", "positions"),
+                  ("minibatch.spec_decode.tree", "greedy_path", "greedy_path")],
     "paged_decode": [("kernels.paged_decode", "paged_decode"), ("kernels", "paged_decode")],
     # classes: the engine builds its allocator and its continuous scheduler from these names
     "block_allocator": [("minibatch.kv.block_allocator", "BlockAllocator"), ("minibatch.engine.engine", "BlockAllocator"),
