@@ -1,8 +1,9 @@
 """Exercises: write pieces of the serving engine yourself, graded by pytest.
 
 The reference implementations live in ``minibatch/`` (and ``kernels/``); yours live
-here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``): a function, or for
-ex6 and ex7 a class (the block allocator's and the scheduler's policy). One switch chooses,
+here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``): a function, for
+ex6 and ex7 a class (the block allocator's and the scheduler's policy), for ex8 three functions (the tree mask,
+the positions, the accepted path). One switch chooses,
 per piece, which of the two the graded tests and the engine use, so a student
 stuck on one piece can go on to the next with the reference in its place:
 
@@ -15,7 +16,9 @@ stuck on one piece can go on to the next with the reference in its place:
                                                      # (default: this package)
 
 ``get(piece)`` returns the implementation under test; ``reference(piece)`` the
-one in ``minibatch/`` or ``kernels/``; ``patch_engine()`` makes the engine itself call yours.
+one in ``minibatch/`` or ``kernels/``; ``patch_engine()`` makes the engine itself call yours. A piece of
+several functions names each as ``piece.function`` (``get("tree_mask.greedy_path")``); the piece's name alone
+is its first (``Piece.func``).
 
 In a student release (``python -m exercises.release``) the reference of the parts it holds out is not in
 ``minibatch/`` or ``kernels/`` at all: the engine calls the student's piece there (``call_student`` for a
@@ -44,10 +47,21 @@ class Piece:
     title: str         # for the grade table
     ref_func: str = ""  # the reference's name, where it differs from func
     helpers: tuple = ()  # more reference definitions in ``module`` that a student release leaves out
+    also: tuple = ()     # more functions the student writes, under the reference's own names in ``module``:
+                         # each is tested, patched into the engine and held out of a release like ``func``
 
     @property
     def reference_name(self) -> str:
         return self.ref_func or self.func
+
+    @property
+    def functions(self) -> tuple:
+        """Every function (or class) of the student's file that stands in for a reference one: func first."""
+        return (self.func, *self.also)
+
+    def reference_of(self, func: str) -> str:
+        """The reference's name of the student's function ``func``."""
+        return self.reference_name if func == self.func else func
 
 
 PIECES = {p.name: p for p in (
@@ -61,6 +75,8 @@ PIECES = {p.name: p for p in (
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),
     Piece("scheduler", "ex7", "ex7_scheduler", "Scheduler", "minibatch.engine.scheduler", "scheduler step"),
+    Piece("tree_mask", "ex8", "ex8_tree_mask", "ancestor_mask", "minibatch.spec_decode.tree",
+          "tree mask and positions", also=("positions", "greedy_path")),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
           "paged decode kernel", helpers=("_paged_decode_kernel",)),
 )}
@@ -69,12 +85,18 @@ BY_PART = {p.part: p for p in PIECES.values()}
 # Modules that call a piece through a module-level name: patch_engine rebinds these
 # (``from .kv_cache import slot_mapping as _slot_mapping`` copies the function into attention.py,
 # so patching minibatch.kv.kv_cache alone would not reach the call in AttentionMetadata.build).
+# (module, attribute) holds the piece's ``func``; (module, attribute, function) one of its ``also``.
 CALL_SITES = {
     "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.attention", "_slot_mapping")],
     "paged_attention": [("minibatch.kv.backends", "paged_attention_loop")],     # the "loop" backend
     "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
+    # the engine reads these as tree.<name> at each call (attention.py, model_runner.py), and tree.mask_bits
+    # calls ancestor_mask, so rebinding them in the tree module reaches every use
+    "tree_mask": [("minibatch.spec_decode.tree", "ancestor_mask"),
+                  ("minibatch.spec_decode.tree", "positions", "positions"),
+                  ("minibatch.spec_decode.tree", "greedy_path", "greedy_path")],
     "paged_decode": [("kernels.paged_decode", "paged_decode"), ("kernels", "paged_decode")],
     # classes: the engine builds its allocator and its continuous scheduler from these names
     "block_allocator": [("minibatch.kv.block_allocator", "BlockAllocator"), ("minibatch.engine.engine", "BlockAllocator"),
@@ -128,7 +150,7 @@ ADAPTED_SITES = {
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-_ORIGINALS: dict = {}      # piece -> the reference function, saved before patch_engine replaces it
+_ORIGINALS: dict = {}      # (piece, function) -> the reference function, saved before patch_engine replaces it
 _LOADED: dict = {}         # (path, mtime) -> the student's module
 
 try:                       # written by exercises/release.py into a student release: the pieces held out
@@ -162,6 +184,18 @@ def piece(name: str) -> Piece:
     raise ValueError(f"unknown exercise piece {name!r}; valid pieces: {valid}, or 'all'")
 
 
+def function(name: str) -> tuple:
+    """(piece, the student's function name) for ``piece`` (its ``func``) or ``piece.function`` (any of its
+    functions: ``tree_mask.greedy_path``, or by part ``ex8.greedy_path``); a ValueError names the valid ones."""
+    base, _, fn = name.strip().partition(".")
+    p = piece(base)
+    fn = fn.strip() or p.func
+    if fn not in p.functions:
+        raise ValueError(f"{p.name} ({p.part}) has no function {fn!r}; its functions: "
+                         + ", ".join(f"{p.name}.{f}" for f in p.functions))
+    return p, fn
+
+
 def selected(spec: str | None = None) -> set:
     """The piece names that are the student's: MINIBATCH_STUDENT (or ``spec``), parsed."""
     spec = os.environ.get("MINIBATCH_STUDENT", "") if spec is None else spec
@@ -178,19 +212,21 @@ def student_dir() -> Path:
 
 
 def reference(name: str):
-    """The reference implementation in minibatch/ (the original, even after patch_engine)."""
-    p = piece(name)
+    """The reference implementation in minibatch/ (the original, even after patch_engine); ``name`` is a
+    piece, or ``piece.function`` for a piece of several functions."""
+    p, fn = function(name)
     if p.name in REMOVED:
         raise ReferenceRemoved(f"{p.name} ({p.part}): its reference is not part of the student release; "
                                f"minibatch/ calls your exercises/{p.stem}.py there")
-    if p.name in _ORIGINALS:
-        return _ORIGINALS[p.name]
-    return getattr(importlib.import_module(p.module), p.reference_name)
+    if (p.name, fn) in _ORIGINALS:
+        return _ORIGINALS[p.name, fn]
+    return getattr(importlib.import_module(p.module), p.reference_of(fn))
 
 
 def student(name: str):
-    """The student's function, loaded from <student_dir>/<stem>.py (re-read when the file changes)."""
-    p = piece(name)
+    """The student's function, loaded from <student_dir>/<stem>.py (re-read when the file changes); ``name`` is a
+    piece, or ``piece.function`` for a piece of several functions."""
+    p, func = function(name)
     path = student_dir() / f"{p.stem}.py"
     if not path.is_file():
         raise FileNotFoundError(f"{p.name}: the student's file {path} does not exist "
@@ -204,17 +240,17 @@ def student(name: str):
         sys.modules[spec.name] = mod           # dataclasses and pickling look the module up here
         spec.loader.exec_module(mod)
         _LOADED[key] = mod
-    fn = getattr(_LOADED[key], p.func, None)
+    fn = getattr(_LOADED[key], func, None)
     if not callable(fn):
-        raise AttributeError(f"{path} must define {p.func}" + ("" if p.func[0].isupper() else "()"))
+        raise AttributeError(f"{path} must define {func}" + ("" if func[0].isupper() else "()"))
     return fn
 
 
 def get(name: str):
     """The implementation under test: the student's if MINIBATCH_STUDENT selects the piece (or a student release
-    holds its reference out), else the reference."""
-    p = piece(name)
-    return student(p.name) if p.name in selected() or p.name in REMOVED else reference(p.name)
+    holds its reference out), else the reference. ``name``: a piece, or ``piece.function``."""
+    p, _ = function(name)
+    return student(name) if p.name in selected() or p.name in REMOVED else reference(name)
 
 
 def unwritten(fn: ast.FunctionDef) -> bool:
@@ -244,21 +280,23 @@ def unfinished(name: str) -> list:
 
 
 def _checked_student(name: str):
-    """The student's piece for the engine of a student release: Unfinished if a function of it is unwritten."""
-    p = piece(name)
+    """The student's piece (or ``piece.function``) for the engine of a student release: Unfinished if a function
+    of the piece's file is unwritten."""
+    p, _ = function(name)
     todo = unfinished(p.name)
     if todo:
         raise Unfinished(p, todo)
-    return student(p.name)
+    return student(name)
 
 
 def call_student(name: str, *args, **kwargs):
-    """What a student release's ``minibatch/`` (or ``kernels/``) calls in place of a held-out reference function."""
-    p = piece(name)
-    fn = _checked_student(p.name)
+    """What a student release's ``minibatch/`` (or ``kernels/``) calls in place of a held-out reference function
+    (``name``: the piece, or ``piece.function`` for one of its ``also``)."""
+    p, func = function(name)
+    fn = _checked_student(name)
     if getattr(fn, "_held_out", None) == p.name:
-        raise RuntimeError(f"exercises/{p.stem}.py hands the call back to {p.module}.{p.reference_name}, which in "
-                           f"the student release is your own {p.func}: write it")
+        raise RuntimeError(f"exercises/{p.stem}.py hands the call back to {p.module}.{p.reference_of(func)}, which "
+                           f"in the student release is your own {func}: write it")
     return fn(*args, **kwargs)
 
 
@@ -322,19 +360,22 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
     """
     patch = EnginePatch()
     for name in sorted(selected(spec) - set(REMOVED)):      # held out of a release: the engine calls them already
-        new = student(name)          # load first: a broken file fails before anything is changed
-        ref = reference(name)
-        _ORIGINALS.setdefault(name, ref)
-        for mod_name, _ in CALL_SITES[name]:
-            importlib.import_module(mod_name)
-        sites = set(CALL_SITES[name])
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is not None and mod_name.split(".")[0] == "minibatch":
-                sites |= {(mod_name, a) for a, v in list(vars(mod).items()) if v is ref}
-        for mod_name, attr in sorted(sites):
-            mod = sys.modules[mod_name]
-            patch.changes.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, new)
+        p = PIECES[name]
+        # load first: a broken file (or a missing function) fails before anything is changed
+        pairs = [(fn, student(f"{name}.{fn}"), reference(f"{name}.{fn}")) for fn in p.functions]
+        for fn, new, ref in pairs:
+            _ORIGINALS.setdefault((name, fn), ref)
+            sites = {(m, a) for m, a, *f in CALL_SITES[name] if (f[0] if f else p.func) == fn}
+            for mod_name, _ in sites:
+                importlib.import_module(mod_name)
+            for mod_name, mod in list(sys.modules.items()):
+                if mod is not None and mod_name.split(".")[0] == "minibatch":
+                    sites |= {(mod_name, a) for a, v in list(vars(mod).items()) if v is ref}
+            for mod_name, attr in sorted(sites):
+                mod = sys.modules[mod_name]
+                patch.changes.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, new)
+        new = pairs[0][1]
         for mod_name, attr, make in ADAPTED_SITES.get(name, []):
             mod = importlib.import_module(mod_name)
             old = getattr(mod, attr)
@@ -344,5 +385,5 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
 
 
 __all__ = ["PIECES", "Piece", "get", "reference", "student", "selected", "student_dir", "patch_engine",
-           "EnginePatch", "piece", "REMOVED", "ReferenceRemoved", "Unfinished", "unfinished", "unwritten",
+           "EnginePatch", "piece", "function", "REMOVED", "ReferenceRemoved", "Unfinished", "unfinished", "unwritten",
            "call_student", "StudentsClass", "static_over"]

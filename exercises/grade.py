@@ -46,7 +46,7 @@ import exercises
 from exercises import _harness
 
 # Each part's worth, shared equally among its graded tests. A part missing here is worth DEFAULT_POINTS.
-POINTS = {"ex1": 10, "ex2": 15, "ex3": 10, "ex4": 15, "ex5": 10, "ex6": 20, "ex7": 20, "ex9": 20}
+POINTS = {"ex1": 10, "ex2": 15, "ex3": 10, "ex4": 15, "ex5": 10, "ex6": 20, "ex7": 20, "ex8": 15, "ex9": 20}
 DEFAULT_POINTS = 10
 PART_TIMEOUT = 300.0     # seconds for one part's whole session
 TEST_TIMEOUT = 60.0      # seconds for one test

@@ -5,7 +5,9 @@ A copy of this repository for students, in which the reference of every chosen p
 * in ``minibatch/`` and ``kernels/`` the reference definition of each part is cut out. A function is replaced
   by a stand-in with the same signature and docstring that calls the student's (``exercises.call_student``);
   a class (the block allocator, the scheduler) by an empty stand-in whose instances are built over the
-  student's class (``exercises.StudentsClass``); a helper the student writes too (ex9's kernel) is deleted.
+  student's class (``exercises.StudentsClass``); a helper the student writes too (ex9's kernel) is deleted;
+  every further function of a piece of several (``Piece.also``: ex8's positions and accepted path) becomes a
+  stand-in too.
   So the engine, the notebooks and the benchmarks run on the student's code, and a student file that
   re-exports the engine's name gets the stand-in back, which says so instead of passing;
 * ``exercises/_release.py`` lists the parts held out: ``exercises.reference()`` refuses them, and a test
@@ -52,7 +54,7 @@ def module_path(p: exercises.Piece) -> str:
 
 def held_out(p: exercises.Piece) -> list:
     """The names of the reference definitions a release cuts out of ``p.module``."""
-    return [p.reference_name, *p.helpers]
+    return [p.reference_name, *p.also, *p.helpers]
 
 
 def tracked_files(root: Path) -> list:
@@ -87,7 +89,9 @@ def _call_args(args: ast.arguments) -> str:
 
 
 def _stand_in_function(lines: list, node: ast.FunctionDef, p: exercises.Piece) -> str:
-    """The def line(s) and docstring of the reference, and a body that calls the student's function."""
+    """The def line(s) and docstring of the reference, and a body that calls the student's function (the piece's
+    ``func``, or the one of its ``also`` with the reference's name)."""
+    target = p.name if node.name == p.reference_name else f"{p.name}.{node.name}"
     body0 = node.body[0]
     has_doc = isinstance(body0, ast.Expr) and isinstance(body0.value, ast.Constant) and isinstance(body0.value.value, str)
     head = "".join(lines[node.lineno - 1:body0.lineno - 1])
@@ -95,7 +99,7 @@ def _stand_in_function(lines: list, node: ast.FunctionDef, p: exercises.Piece) -
     return (f"{head}{doc}"
             f"    # held out of the student release: the engine calls yours, exercises/{p.stem}.py\n"
             f"    import exercises\n"
-            f"    return exercises.call_student({p.name!r}, {_call_args(node.args)})\n\n\n"
+            f"    return exercises.call_student({target!r}, {_call_args(node.args)})\n\n\n"
             f"{node.name}._held_out = {p.name!r}\n")
 
 
@@ -120,7 +124,7 @@ def cut(source: str, p: exercises.Piece) -> str:
     for name in sorted(held_out(p), key=lambda n: -defs[n].lineno):          # bottom up: line numbers hold
         node = defs[name]
         first, last = _span(node)
-        if name != p.reference_name:
+        if name not in (p.reference_name, *p.also):
             new = (f"# {name}: held out of the student release (you write it in exercises/{p.stem}.py)\n")
         elif isinstance(node, ast.ClassDef):
             new = _stand_in_class(node, p)
@@ -186,7 +190,7 @@ def solution(p: exercises.Piece, root: Path = REPO) -> str:
         s_first, s_last = _span(stub_node)
         lines[s_first - 1:s_last] = [text]
         needed |= _free_names(ref_node)
-    missing = sorted(needed - _top_names(tree) - {p.func})
+    missing = sorted(needed - _top_names(tree) - set(p.functions))
     missing = [x for x in missing if x in _top_names(ref_tree) or x in _definitions(ref_tree)]
     out = "".join(lines)
     if missing:

@@ -49,15 +49,17 @@ def student_files(dest: Path, replace=None) -> Path:
 
 
 def shim_files(dest: Path) -> Path:
-    """Student files that hand every call to the reference (and count it): the reference, behind the switch."""
+    """Student files that hand every call to the reference (and count it, by function name): the reference,
+    behind the switch."""
     dest.mkdir(parents=True)
     for p in exercises.PIECES.values():
         if p.func[0].isupper():                     # a class (ex6, ex7): the reference's, counting instances
             body = (f"class {p.func}(exercises.reference({p.name!r})):\n    def __init__(self, *args, **kwargs):\n"
-                    f"        CALLS.append(1)\n        super().__init__(*args, **kwargs)\n")
-        else:
-            body = (f"def {p.func}(*args, **kwargs):\n    CALLS.append(1)\n"
-                    f"    return exercises.reference({p.name!r})(*args, **kwargs)\n")
+                    f"        CALLS.append({p.func!r})\n        super().__init__(*args, **kwargs)\n")
+        else:                                       # every function of the piece (ex8 has three)
+            body = "\n\n".join(f"def {f}(*args, **kwargs):\n    CALLS.append({f!r})\n"
+                                f"    return exercises.reference({p.name + '.' + f!r})(*args, **kwargs)\n"
+                                for f in p.functions)
         (dest / f"{p.stem}.py").write_text(f"import exercises\n\nCALLS = []\n\n\n{body}")
     return dest
 
@@ -107,13 +109,14 @@ def test_every_piece_has_at_least_four_mutants():
 
 @pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS])
 def test_mutant_is_a_working_wrong_answer(mutant):
-    """A mutant must be caught for its bug, not for failing to load: it compiles, defines the piece's function,
+    """A mutant must be caught for its bug, not for failing to load: it compiles, defines the piece's functions,
     and its docstring names its exercise."""
     path = PKG / "mutants" / f"{mutant}.py"
     p = mutant_piece(path)
     tree = ast.parse(path.read_text(), str(path))                       # a SyntaxError fails here
-    assert any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == p.func for n in tree.body), \
-        f"no {p.func} in {path}"
+    for f in p.functions:
+        assert any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == f for n in tree.body), \
+            f"no {f} in {path}"
     doc = ast.get_docstring(tree) or ""
     assert doc.startswith(f"Mutant (exercise {p.part[2:]})"), f"{path.name}: docstring must name the bug: {doc!r}"
 
@@ -199,11 +202,12 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.spec_decode.draft_model as draft_model
     import minibatch.spec_decode.ngram as ngram
     import minibatch.spec_decode.rejection_sampler as speculative
+    import minibatch.spec_decode.tree as tree
     sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (backends, "paged_attention_loop"),
              (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"),
              (model_runner, "rejection_sample"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
              (draft_model, "BlockAllocator"), (scheduler, "Scheduler"), (engine, "Scheduler"),
-             (ngram, "ngram_propose")]
+             (tree, "ancestor_mask"), (tree, "positions"), (tree, "greedy_path"), (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
     static = engine.StaticScheduler
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
@@ -244,10 +248,46 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
         got = generate()
     assert got == want
     for name in exercises.PIECES:
-        if name == "paged_decode":                 # a Triton kernel: the "triton" backend's decode steps, below
+        if name in ("paged_decode", "tree_mask"):  # the "triton" backend's decode steps, and token trees: below
             continue
         calls = sys.modules[exercises.student(name).__module__].CALLS
         assert calls, f"the engine never called the student's {name}"
+
+
+def test_patch_engine_runs_tree_speculation_on_the_students_functions(monkeypatch, tmp_path, target_model):
+    """ex8: EAGLE-2's dynamic trees verified on the student's mask, positions and accepted path (each called, from
+    the metadata, the head's passes and the verify): the same greedy text; undo puts the reference back."""
+    from minibatch import LLM, SamplingParams
+    from minibatch.spec_decode import tree
+    spec = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 6, "depth": 3, "topk": 2}
+
+    def generate():
+        llm = LLM(target_model, speculative_config=spec)
+        return [o.outputs[0].token_ids for o in llm.generate(["def main():\n    ", "class Stack:"],
+                                                             SamplingParams(temperature=0, max_tokens=12))]
+
+    want = generate()
+    before = tree.ancestor_mask, tree.positions, tree.greedy_path
+    monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
+    with exercises.patch_engine("tree_mask"):
+        assert tree.greedy_path is exercises.student("tree_mask.greedy_path") is not before[2]
+        assert exercises.reference("tree_mask.positions") is before[1]      # the reference stays reachable
+        got = generate()
+    assert (tree.ancestor_mask, tree.positions, tree.greedy_path) == before
+    assert got == want
+    calls = exercises.student("tree_mask").__globals__["CALLS"]
+    assert {"ancestor_mask", "positions", "greedy_path"} <= set(calls), f"the engine called only {set(calls)}"
+
+
+def test_a_piece_of_several_functions_names_each(monkeypatch):
+    from minibatch.spec_decode import tree
+    monkeypatch.delenv("MINIBATCH_STUDENT", raising=False)
+    assert exercises.get("tree_mask") is tree.ancestor_mask
+    assert exercises.get("ex8.greedy_path") is exercises.reference("tree_mask.greedy_path") is tree.greedy_path
+    with pytest.raises(ValueError, match="has no function 'depths'.*tree_mask.positions"):
+        exercises.get("tree_mask.depths")
+    monkeypatch.setenv("MINIBATCH_STUDENT", "ex8")
+    assert exercises.get("tree_mask.positions").__module__.endswith("ex8_tree_mask")
 
 
 @pytest.mark.interpreter

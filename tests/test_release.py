@@ -175,12 +175,16 @@ def test_a_re_export_of_the_engines_name_is_not_the_reference(built, tmp_path):
         shutil.copy(out / "exercises" / f"{p.stem}.py", student)
     (student / "ex3_top_k_top_p.py").write_text("from minibatch.engine.sampler import apply_top_k_top_p  # noqa\n")
     (student / "ex6_block_allocator.py").write_text("from minibatch.kv.block_allocator import BlockAllocator  # noqa\n")
-    rep = grade(out, tmp_path, "--student-dir", str(student), "--parts", "ex3,ex6")
-    for part in ("ex3", "ex6"):
+    (student / "ex8_tree_mask.py").write_text(          # a piece of several functions: each stand-in says so
+        "from minibatch.spec_decode.tree import ancestor_mask, greedy_path, positions  # noqa\n")
+    rep = grade(out, tmp_path, "--student-dir", str(student), "--parts", "ex3,ex6,ex8")
+    for part in ("ex3", "ex6", "ex8"):
         assert rep["extra_data"]["parts"][part]["score"] == 0, part
     outputs = "\n".join(t["output"] for t in rep["tests"])
     assert "hands the call back to minibatch.engine.sampler.apply_top_k_top_p" in outputs
     assert "hands back minibatch.kv.block_allocator.BlockAllocator" in outputs
+    for name in ("ancestor_mask", "positions", "greedy_path"):
+        assert f"hands the call back to minibatch.spec_decode.tree.{name}" in outputs, name
 
 
 def _pytest_outcome(p: subprocess.CompletedProcess) -> str:

@@ -68,17 +68,19 @@ def is_chain(parents) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-def depths(parents) -> list:
-    """depth[i]: edges from the root to node i (the root 0, its children 1, ...)."""
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
-
-
 def positions(parents, context_len: int) -> list:
-    """Where each node sits in its sequence: context_len + depth (siblings share a position)."""
-    return [context_len + d for d in depths(parents)]
+    """Where each node sits in its sequence: context_len + its depth (siblings share a position).
+    The root sits at context_len, right after the cached context; a node one past its parent."""
+    pos = [context_len] * len(parents)
+    for i in range(1, len(parents)):          # parents first: pos[parents[i]] is known already
+        pos[i] = pos[parents[i]] + 1
+    return pos
+
+
+def depths(parents) -> list:
+    """depth[i]: edges from the root to node i (the root 0, its children 1, ...): positions without a context.
+    (Defined through ``positions``, which exercise 8 has students write, so it gives nothing away there.)"""
+    return positions(parents, 0)
 
 
 def ancestor_mask(parents) -> torch.Tensor:
@@ -124,8 +126,11 @@ def greedy_path(parents, tokens, target_argmax) -> list:
     """Greedy verification: the longest path whose every draft is the target's argmax at its parent.
 
     tokens[i] is node i's token (tokens[0], the root's, is not read); target_argmax[i] is the target's
-    argmax at node i: the token it would put after node i. Returns the accepted path [0, ...]; the
-    token after it is target_argmax[path[-1]] (a bonus if the path reaches a leaf, else a correction)."""
+    argmax at node i: the token it would put after node i. From the root, step to the first child (in
+    node order) whose token is the argmax at the current node; stop when no child's is. Returns the
+    accepted path [0, ...]; the token after it is target_argmax[path[-1]] (a bonus if the path reaches a
+    leaf, else a correction). (Siblings carry different tokens in a drafter's tree, so at most one child
+    can match and the walk finds the longest accepted path; node order only settles duplicates.)"""
     kids, path = children(parents), [0]
     while True:
         nxt = next((c for c in kids[path[-1]] if tokens[c] == target_argmax[path[-1]]), None)
