@@ -25,23 +25,38 @@ request's temperature, top-k, top-p), which the rejection sampler gets with ever
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from minibatch.engine.sampler import make_generator, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
-from minibatch.spec_decode.proposer import Proposer, proposal_budget
+from minibatch.spec_decode.proposer import MidStackStart, Proposer, proposal_budget
 from minibatch.spec_decode.scratch import ScratchTables, scratch_blocks_per_seq
+
+
+@dataclass
+class _Drafted:
+    """What one propose call computed for one sequence, that its verify can reuse."""
+    m: int            # where it started: the last sampled token's position (num_computed_tokens then)
+    fed: list         # [n] the tokens it fed at positions m .. m+n-1: the last sampled token, then its drafts
+    row: int          # its row of EarlyExitProposer.hidden
+    slots: list       # [n] the scratch slots of their K/V (layers 0 .. E-1)
 
 
 class EarlyExitProposer(Proposer):
     method = "early_exit"
 
-    def __init__(self, target, adapter, k: int, engine_config):
+    def __init__(self, target, adapter, k: int, engine_config, kv_reuse: bool = True):
         super().__init__(k)
         self.target, self.adapter, self.E = target, adapter, adapter.exit_layer
         self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
+        self.kv_reuse = kv_reuse
         self.target_allocator = self.scratch = None
         self.generators: dict = {}
+        self.state: dict = {}             # seq id -> _Drafted, for the sequences of the last propose call only
+        self.hidden = None                # [B, k, C]: their residual streams after E blocks, pass by pass
         self._none = torch.zeros(0, dtype=torch.long, device=target.device)
 
     def num_scratch_blocks(self, max_num_seqs: int, block_size: int) -> int:
@@ -61,6 +76,7 @@ class EarlyExitProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
+        self.state.clear()                # the scratch blocks are handed out afresh: the last call's K/V go
         todo = [(s, proposal_budget(s, self.k)) for s in seqs]
         for seq, _ in todo:
             seq.spec_token_ids, seq.spec_probs = [], None
@@ -70,12 +86,20 @@ class EarlyExitProposer(Proposer):
         starts = [s.num_computed_tokens for s, _ in todo]           # m: the last sampled token sits at m
         tables = self.scratch.tables([(self.target_allocator.block_table(s.seq_id), m, k)
                                       for (s, k), m in zip(todo, starts)])
+        if self.kv_reuse:
+            t = self.target
+            self.hidden = torch.empty(len(todo), self.k, t.config.n_embd, dtype=t.dtype, device=t.device)
         probs = [[] for _ in todo]
         feed = [s.token_ids[m] for (s, _), m in zip(todo, starts)]
+        fed = [[] for _ in todo]
         live = list(range(len(todo)))                                # who still drafts in this pass
         for j in range(self.k):
-            logits = self._forward([feed[i] for i in live], [tables[i] for i in live],
-                                   [starts[i] + j for i in live])   # [B_live, V]
+            for i in live:
+                fed[i].append(feed[i])
+            logits, h = self._forward([feed[i] for i in live], [tables[i] for i in live],
+                                      [starts[i] + j for i in live])   # [B_live, V], [B_live, C]
+            if self.kv_reuse:
+                self.hidden[live, j] = h
             best = logits.argmax(-1).tolist()
             nxt = []
             for i, row, top in zip(live, logits, best):
@@ -93,19 +117,57 @@ class EarlyExitProposer(Proposer):
             live = nxt
             if not live:
                 break
-        for (seq, _), q in zip(todo, probs):
+        bs = self.block_size
+        for i, ((seq, _), q) in enumerate(zip(todo, probs)):
             seq.spec_probs = torch.stack(q) if q else None           # greedy: one-hot, never read
+            if self.kv_reuse:
+                m, tbl = starts[i], tables[i]
+                self.state[seq.seq_id] = _Drafted(m, fed[i], i, [tbl[p // bs] * bs + p % bs
+                                                                  for p in range(m, m + len(fed[i]))])
 
-    def _forward(self, ids, tables, positions) -> torch.Tensor:
+    def _forward(self, ids, tables, positions):
         """One token per sequence at ``positions`` through the target's first E blocks (attending to the
-        target's K/V before it, the drafts' in scratch), the adapter, ln_f and the head -> logits[B, V]."""
+        target's K/V before it, the drafts' in scratch), the adapter, ln_f and the head -> (logits[B, V],
+        the residual stream after E blocks [B, C])."""
         dev, t = self.target.device, self.target
         meta = AttentionMetadata.build(tables, positions, [1] * len(ids), self.block_size, dev)
         attn = PagedAttention(self.scratch.kv_cache, meta, self.backend)
         # logits at no row (the exit's own head is the adapter's): just the residual stream after E blocks
         _, hs = t(torch.tensor(ids, device=dev), meta.positions, attn, logits_indices=self._none,
                   hidden_states=(self.E,), exit_layer=self.E, all_hidden=True)
-        return self.adapter.logits(t, hs[self.E]).float().cpu()
+        return self.adapter.logits(t, hs[self.E]).float().cpu(), hs[self.E]
+
+    def verify_start(self, scheduled, slot_mapping, query_start_loc) -> Optional[MidStackStart]:
+        """LayerSkip's KV reuse: the rows of a verify the drafter fed (positions m .. m+n-1, the same tokens)
+        went through blocks 0 .. E-1 exactly as the target's verify would take them. Copy their K/V at those
+        layers from scratch into the sequence's own slots for them and hand back their residual streams, so
+        the verify starts at block E for them. Only what the drafter computed for *these* tokens at *these*
+        positions is reused (m and the tokens are compared, up to the first that differs); any other row, or a
+        sequence drafted in no such way, runs every block."""
+        if not self.kv_reuse or not self.state:
+            return None
+        num_rows, src, dst, rows = [], [], [], []
+        for b, s in enumerate(scheduled):
+            d, r = self.state.get(s.seq.seq_id), 0
+            if d is not None and s.spec_token_ids and s.num_computed_before == d.m:
+                ids = s.input_token_ids                            # [1 + k']: the last sampled token, the drafts kept
+                n = min(len(ids), len(d.fed))                      # k' = k: the last draft was never fed
+                while r < n and ids[r] == d.fed[r]:                # the same tokens (only a row whose whole prefix
+                    r += 1                                         # is the same has the same K/V and state)
+            num_rows.append(r)
+            if r:
+                src += d.slots[:r]
+                dst += range(query_start_loc[b], query_start_loc[b] + r)
+                rows += range(d.row * self.k, d.row * self.k + r)
+        if not src:
+            return None
+        dev = slot_mapping.device
+        # into the slots the step's slot mapping gives these rows: the sequence's own (copy-on-write is done)
+        self.scratch.kv_cache.copy_slots(torch.tensor(src, device=dev), slot_mapping[torch.tensor(dst, device=dev)],
+                                         self.E)
+        hidden = self.hidden.view(-1, self.hidden.shape[-1])[torch.tensor(rows, device=self.hidden.device)]
+        return MidStackStart(self.E, num_rows, hidden)                 # hidden [R, C]
 
     def free(self, seq) -> None:
         self.generators.pop(seq.seq_id, None)
+        self.state.pop(seq.seq_id, None)
