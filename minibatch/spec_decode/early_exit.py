@@ -12,13 +12,38 @@ step, nothing to free.
 Each step it runs k passes of E blocks, one token per sequence each: the last sampled token, then its
 own drafts. Their K/V go to scratch blocks (``scratch.py``), never into the target's blocks.
 
-Which of LayerSkip's two variants this is (§4.2): **recompute**. The target's verify pass computes
-the drafted positions through all L layers again, although their first E layers' K/V equal what the
-drafter wrote. The reuse variant would write them into the target's own slots and start verification
-at layer E for them (its "exit query cache"), saving E/L of the verify's work on k of its k + 1 tokens;
-it needs the scheduler to hand out those slots before the verify step and a model call that starts
-mid-stack, and is left for later. What *is* reused here is the context: the drafter never recomputes
-or stores a single K/V of a computed token.
+Which of LayerSkip's two variants this is (§4.2): **reuse** (its single KV cache and exit query cache), by
+default. For the verify's rows m .. m+k (the last sampled token at m, then the k drafts), the drafter
+already ran the first k through blocks 0 .. E-1, feeding the very same tokens at the very same positions
+over the very same context: what it computed there *is* what the target's first E layers compute for
+them, K/V and residual stream alike. So it keeps, per sequence (``_Drafted``), the tokens it fed, their
+residual streams after block E-1 ([k, C] each, in ``self.hidden``) and the scratch slots of their K/V,
+and before the verify (``verify_start``, which the model runner calls on every proposer) it
+
+1. copies their K/V at layers 0 .. E-1 from scratch into the sequence's own slots for those positions,
+   the ones the step's slot mapping gives them (the scheduler handed them out, copy-on-write done, so a
+   block shared by the prefix cache or a fork is never written);
+2. hands the runner a ``MidStackStart``: rows 0 .. r-1 of this sequence start at block E from those
+   residual streams. The runner runs blocks 0 .. E-1 over the other rows only (the last draft, at m+k,
+   which the drafter sampled but never fed; any plain decode or prefill chunk beside it), then
+   blocks E .. L-1 over all of them (``ModelRunner._forward``, ``GPT.forward(start_layer=E)``).
+
+What it saves: E/L of the verify's layer work on k of its k + 1 rows (here 2/4 on 3 of 4 rows at k = 3),
+for the price of a copy of k slots at E layers and one more, small, model call; the verify's blocks
+0 .. E-1 see one row per sequence instead of 1 + k. It is exact, not an approximation: the same
+arithmetic on the same inputs (float rounding aside: a row computed alone or in a batch of 4), and
+the tests hold the output to plain greedy decoding token for token and the cache to a plain prefill's.
+Only what was computed for these tokens at these positions is reused: m and the tokens are compared
+(up to the first that differs), so a proposal the token budget cut (the scheduler may verify fewer
+drafts than proposed: then every verified row was fed, and none needs blocks 0 .. E-1), a sequence
+preempted or finished in between (its state is dropped), or a row beside them (plain decode, prefill,
+another method's) runs every block. Each propose call hands out the scratch blocks afresh, so it
+forgets the previous call's state first.
+
+``speculative_config={"kv_reuse": False}`` keeps the **recompute** variant, the slow and obvious
+reference: the verify runs all 1 + k rows through all L layers again, and the drafter's K/V stay in
+scratch. Either way the context is reused: the drafter never recomputes or stores a single K/V of a
+computed token.
 
 Lossless at any temperature: the draft samples from its own q (the adapter's distribution at the
 request's temperature, top-k, top-p), which the rejection sampler gets with every draft.

@@ -17,7 +17,9 @@ The methods (``speculative_config={"method": ..., "num_speculative_tokens": k}``
 * ``"ngram"``: prompt lookup (``ngram.py``), no model at all.
 * ``"draft"``: a small distilled model (``draft_model.py``) with its own paged cache.
 * ``"medusa"``: heads on the target's last hidden state (``medusa.py``), no extra model pass.
-* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache.
+* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache; its
+  verify starts at layer E for the rows it drafted (``verify_start``, LayerSkip's KV reuse; ``"kv_reuse": False``
+  recomputes them).
 * ``"eagle"``: one block drafting in feature space (``eagle.py``), its K/V one more layer of the target's cache.
 
 The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
