@@ -57,6 +57,7 @@ import torch
 
 from minibatch.engine.sampler import make_generator, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
+from minibatch.kv.kv_cache import slot_mapping as _slot_mapping
 from minibatch.spec_decode.proposer import MidStackStart, Proposer, proposal_budget
 from minibatch.spec_decode.scratch import ScratchTables, scratch_blocks_per_seq
 
@@ -67,7 +68,7 @@ class _Drafted:
     m: int            # where it started: the last sampled token's position (num_computed_tokens then)
     fed: list         # [n] the tokens it fed at positions m .. m+n-1: the last sampled token, then its drafts
     row: int          # its row of EarlyExitProposer.hidden
-    slots: list       # [n] the scratch slots of their K/V (layers 0 .. E-1)
+    at: int           # its first entry of EarlyExitProposer.slots: the scratch slots of their K/V (layers 0 .. E-1)
 
 
 class EarlyExitProposer(Proposer):
@@ -82,6 +83,7 @@ class EarlyExitProposer(Proposer):
         self.generators: dict = {}
         self.state: dict = {}             # seq id -> _Drafted, for the sequences of the last propose call only
         self.hidden = None                # [B, k, C]: their residual streams after E blocks, pass by pass
+        self.slots = None                 # [sum n]: where their K/V lie in scratch, sequence after sequence
         self._none = torch.zeros(0, dtype=torch.long, device=target.device)
 
     def num_scratch_blocks(self, max_num_seqs: int, block_size: int) -> int:
@@ -142,13 +144,14 @@ class EarlyExitProposer(Proposer):
             live = nxt
             if not live:
                 break
-        bs = self.block_size
-        for i, ((seq, _), q) in enumerate(zip(todo, probs)):
+        for (seq, _), q in zip(todo, probs):
             seq.spec_probs = torch.stack(q) if q else None           # greedy: one-hot, never read
-            if self.kv_reuse:
-                m, tbl = starts[i], tables[i]
-                self.state[seq.seq_id] = _Drafted(m, fed[i], i, [tbl[p // bs] * bs + p % bs
-                                                                  for p in range(m, m + len(fed[i]))])
+        if self.kv_reuse:
+            at = 0
+            for i, (seq, _) in enumerate(todo):
+                self.state[seq.seq_id] = _Drafted(starts[i], fed[i], i, at)
+                at += len(fed[i])
+            self.slots = _slot_mapping(tables, starts, [len(f) for f in fed], self.block_size, self.target.device)
 
     def _forward(self, ids, tables, positions):
         """One token per sequence at ``positions`` through the target's first E blocks (attending to the
@@ -181,15 +184,15 @@ class EarlyExitProposer(Proposer):
                     r += 1                                         # is the same has the same K/V and state)
             num_rows.append(r)
             if r:
-                src += d.slots[:r]
+                src += range(d.at, d.at + r)
                 dst += range(query_start_loc[b], query_start_loc[b] + r)
                 rows += range(d.row * self.k, d.row * self.k + r)
         if not src:
             return None
         dev = slot_mapping.device
         # into the slots the step's slot mapping gives these rows: the sequence's own (copy-on-write is done)
-        self.scratch.kv_cache.copy_slots(torch.tensor(src, device=dev), slot_mapping[torch.tensor(dst, device=dev)],
-                                         self.E)
+        self.scratch.kv_cache.copy_slots(self.slots[torch.tensor(src, device=self.slots.device)].to(dev),
+                                         slot_mapping[torch.tensor(dst, device=dev)], self.E)
         hidden = self.hidden.view(-1, self.hidden.shape[-1])[torch.tensor(rows, device=self.hidden.device)]
         return MidStackStart(self.E, num_rows, hidden)                 # hidden [R, C]
 
