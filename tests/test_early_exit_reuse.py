@@ -3,12 +3,13 @@ drafter already ran through blocks 0 .. E-1, and nothing changes but the work do
 
 * ``GPT.forward(start_layer=E, start_hidden=...)`` continues a forward exactly where ``exit_layer=E`` left it.
 * Greedy output equals plain greedy decoding token for token with reuse on, across k and block sizes 4, 8,
-  16, with prefix caching, preemption, chunked prefill (token budgets that cut proposals), n > 1 and
-  requests that stop mid-draft; the allocator's invariants hold after every step and no block leaks.
+  16, with prefix caching, preemption, chunked prefill (token budgets that cut proposals), static batching
+  (padding rows beside the verify), n > 1 and requests that stop mid-draft, greedy and sampled rows, and on
+  the loop and Triton backends; the allocator's invariants hold after every step and no block leaks.
 * Reuse really happens: in every verify forward, blocks 0 .. E-1 see each sequence's rows after the ones the
   drafter fed with the same tokens: 1 row per sequence (0 when the budget cut its drafts), not 1 + k.
 * The cache afterwards holds, at every layer, what a plain prefill of the same tokens writes; blocks that
-  are shared (prefix cache, forks) are never written.
+  are shared (prefix cache, forks), free or cached are never written.
 * A verify whose drafts are not what the drafter fed reuses only the rows up to the first that differs.
 The sampled check (chi-square) runs with reuse on, by default, in tests/test_spec_methods.py.
 """
@@ -41,6 +42,7 @@ class Probe:
         self.fed = {}                    # seq id -> (m, tokens the drafter fed at m, m + 1, ...), last propose
         self.steps = []                  # per forward: (rows through block 0, through block E, expected at 0)
         self.cut = self.verified = 0     # verifies whose drafts the token budget cut; verifies
+        self.padded = 0                  # verifying steps with static batching's padding rows beside them
         self.counting, self.rows = False, [0, 0]
         self.handles = [model.h[0].register_forward_hook(self._count(0)),
                         model.h[self.E].register_forward_hook(self._count(1))]
@@ -52,7 +54,8 @@ class Probe:
                         for s in seqs if s.spec_token_ids}
 
         def execute(out):
-            want = 0
+            want = len(out.padding)          # static batching's padding rows: plain decodes, every block
+            self.padded += bool(out.padding) and any(s.spec_token_ids for s in out.scheduled)
             for s in out.scheduled:
                 if not s.spec_token_ids:
                     want += s.num_new_tokens
@@ -70,7 +73,7 @@ class Probe:
                 result = real_execute(out)
             finally:
                 self.counting = False
-            self.steps.append((*self.rows, want, out.num_batched_tokens))
+            self.steps.append((*self.rows, want, out.num_batched_tokens + len(out.padding)))
             return result
 
         self.prop.propose, eng.model_runner.execute = propose, execute
@@ -136,6 +139,7 @@ CASES = {   # name: (k, engine config)
     "k4, block 4, preemption": (4, dict(block_size=4, num_gpu_blocks=56, max_num_seqs=8)),
     "k4, block 8, chunked prefill": (4, dict(block_size=8, max_num_batched_tokens=8)),
     "k2, block 4, chunked prefill": (2, dict(block_size=4, max_num_batched_tokens=5)),
+    "k3, block 8, static batching": (3, dict(block_size=8, scheduling="static", max_num_seqs=4)),
 }
 
 
@@ -148,6 +152,8 @@ def test_greedy_equals_plain_with_reuse(target_model, refs, case):
     assert probe.verified > 20 and reused >= probe.verified, "each verify reuses its first row at least"
     if "chunked" in case:
         assert probe.cut > 0, "meant to cut proposals with the token budget"
+    if "static" in case:
+        assert probe.padded > 0, "meant to verify beside padding rows"
     if "preemption" in case:
         assert sum(len(t.preempted) for t in traces) > 0, "meant to force preemption"
     if "prefix" in case:
