@@ -36,6 +36,15 @@ def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
         assert cost >= 0 and 0.0 < predicted <= formula
 
 
+def test_bench_speculative_times_early_exit_with_and_without_kv_reuse(capsys):
+    bench.main(["speculative", "--methods", "early_exit", "--ks", "2", "--batch-sizes", "1", "--max-tokens", "8",
+                "--repeats", "1", "--kv-reuse", "both"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("low", "high"))]
+    assert [(r[0], r[2], r[3], r[5]) for r in rows] == [(e, m, "2", "2") for e in ("low", "high")
+                                                        for m in ("early_exit", "ee-recomp")]
+    assert rows[0][10:12] == rows[1][10:12], "greedy: reuse and recompute accept the same drafts"
+
+
 def test_bench_trees_prints_a_chain_then_its_trees_per_method(capsys):
     bench.main(["trees", "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "8", "--repeats", "1",
                 "--prompts", "1", "--depth", "3"])

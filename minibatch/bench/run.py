@@ -100,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 8])
     ap.add_argument("--typical", action="store_true",
                     help="speculative: also Medusa with typical acceptance at temperature 1 (lossy)")
+    ap.add_argument("--kv-reuse", choices=["on", "off", "both"], default="on",
+                    help="speculative: early exit with LayerSkip's KV reuse (on), the recompute variant "
+                         "(off, row ee-recomp), or a row of each")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
                     help="speculative: comma-separated (default: every method whose weights ship)")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])

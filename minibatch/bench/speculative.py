@@ -18,6 +18,9 @@ hits both sides. Each row reports:
   ``propose_duration``), and ``predicted`` = formula / (1 + cost), Leviathan et al.'s Theorem 3.8 with
   k c measured as one number (a draft pass costs c, Medusa's heads cost a fraction of one).
 
+``--kv-reuse off`` times early exit's recompute variant (row ``ee-recomp``: the verify runs every row through
+every block) instead of its default KV reuse, ``both`` times both (``spec_decode/early_exit.py``).
+
 ``--typical`` adds, at temperature 1, rows ``medusa-typ``: Medusa with typical acceptance (§2.3.1), which
 is LOSSY (its output is not distributed as the target's; ``spec_decode/typical.py``).
 
@@ -87,10 +90,12 @@ HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>9}{'pass
           f"  alpha by position")
 
 
-def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain, extra=None):
+def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain, extra=None, name=None):
     llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1),
               speculative_config={"method": method, "num_speculative_tokens": k, **(extra or {})})
-    if extra:
+    if name:
+        method = name
+    elif extra:
         method = f"{method}-typ"                                             # typical acceptance: LOSSY
     (base, _, base_tr, base_walls), (tps, outs, tr, walls) = timed_pair(plain, llm, prompts, params, repeats)
     st = run_stats(tr)
@@ -140,7 +145,11 @@ def bench_speculative(args) -> list:
                 for k in args.ks:
                     if k > _max_k(method):
                         continue
-                    rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain))
+                    if method != "early_exit" or getattr(args, "kv_reuse", "on") != "off":
+                        rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain))
+                    if method == "early_exit" and getattr(args, "kv_reuse", "on") != "on":
+                        rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
+                                              extra={"kv_reuse": False}, name="ee-recomp"))
                     if getattr(args, "typical", False) and method == "medusa" and temp > 0:
                         rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
                                               extra={"acceptance": "typical"}))

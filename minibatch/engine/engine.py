@@ -63,7 +63,7 @@ class LLMEngine:
                                         scratch_block=num_blocks,
                                         hidden_states=self.proposer.hidden_states if self.proposer else (),
                                         all_hidden=bool(self.proposer and self.proposer.all_hidden),
-                                        typical=typical_params(c.speculative_config))
+                                        typical=typical_params(c.speculative_config), proposer=self.proposer)
         self.requests: dict[str, Request] = {}     # unfinished requests only: a finished one is forgotten
         self._num_added = 0
         self.hooks: list[Callable] = []

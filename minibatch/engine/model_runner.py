@@ -9,7 +9,10 @@
    ``logits_indices[N]`` picks the rows that need logits: the last row of a
    sequence whose chunk reaches its end, or its last 1 + k rows when k drafts are
    verified;
-3. **run the model** once (asking for hidden states when the proposer reads them);
+3. **run the model** once (asking for hidden states when the proposer reads them); when the proposer
+   says some verified rows have been through the first E blocks already (early exit's KV reuse,
+   ``Proposer.verify_start``), the forward runs in two parts: blocks 0 .. E-1 over the other rows, then
+   blocks E .. L-1 over every row (``_forward``);
 4. **sample**: one token per plain row (``Sampler``), or the rejection sampler over
    1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and
    adds one token of the target's own;
@@ -53,8 +56,9 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
                  scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
-                 typical: Optional[tuple] = None):
+                 typical: Optional[tuple] = None, proposer=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.proposer = proposer             # asked, before a verify, where its rows may start (verify_start)
         self.attention_backend = attention_backend
         self.sampler = Sampler(seed)
         self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
@@ -65,16 +69,17 @@ class ModelRunner:
     def execute(self, out) -> ModelRunnerOutput:
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)
-        input_ids, attn, logits_idx, rows = self._prepare_inputs(out.scheduled, out.padding)
-        dev = self.model.device
-        result = self.model(torch.tensor(input_ids, device=dev), attn.metadata.positions, attn,
-                            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-                            hidden_states=self.hidden_states, all_hidden=self.all_hidden)
+        input_ids, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)
+        qsl = [0]
+        for n in attn.metadata.query_lens_list:                                   # host-side: no device sync
+            qsl.append(qsl[-1] + n)
+        start = None
+        if self.proposer is not None and attn.metadata.tree_bits is None and any(s.spec_token_ids for s in out.scheduled):
+            start = self.proposer.verify_start(out.scheduled, attn.metadata.slot_mapping, qsl)
+        result = self._forward(input_ids, attn, logits_idx, start, batch, qsl)
         logits, hidden = result if self.hidden_states else (result, {})
         sampled, accepted, forked, paths = self._sample(out.scheduled, logits.float(), rows)
-        qsl = [0]
-        for n in attn.metadata.query_lens_list[: len(out.scheduled)]:            # host-side: no device sync
-            qsl.append(qsl[-1] + n)
+        qsl = qsl[: len(out.scheduled) + 1]                                      # without the padding rows
         if any(paths):
             self._keep_paths(paths, attn.metadata.slot_mapping, qsl, rows, hidden)
         return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
@@ -103,7 +108,39 @@ class ModelRunner:
             new.append(1)
         tree_kw = {"tree_parents": trees} if any(t is not None for t in trees) else {}
         meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device, **tree_kw)
-        return input_ids, PagedAttention(self.kv_cache, meta, self.attention_backend), logits_idx, rows
+        attn = PagedAttention(self.kv_cache, meta, self.attention_backend)
+        return input_ids, attn, logits_idx, rows, (tables, computed, new)
+
+    def _forward(self, input_ids, attn, logits_idx, start, batch, qsl):
+        """The model over the flat batch -> logits [N, V] (and the hidden states the proposer reads).
+
+        With ``start`` (a ``MidStackStart``: LayerSkip's KV reuse, Elhoushi et al. 2024 §4.2), the first
+        start.num_rows[b] rows of sequence b have been through blocks 0 .. E-1 already, their K/V there are in
+        their slots, and start.hidden [R, C] is their residual stream. Then, in two calls:
+          1. blocks 0 .. E-1 over the other rows only (each sequence's rows after its reused ones: its own
+             attention metadata, whose context now includes the reused rows' K/V), exiting at E -> [T - R, C];
+          2. blocks E .. L-1 over all T rows, from those states and start.hidden, with the step's metadata.
+        The same arithmetic as one call of every row through every block, less E blocks on R rows."""
+        dev = self.model.device
+        ids = torch.tensor(input_ids, device=dev)
+        kw = dict(logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+                  hidden_states=self.hidden_states, all_hidden=self.all_hidden)
+        if start is None or not any(start.num_rows):
+            return self.model(ids, attn.metadata.positions, attn, **kw)
+        E, (tables, computed, new) = start.layer, batch
+        reused = list(start.num_rows) + [0] * (len(new) - len(start.num_rows))    # padding rows reuse nothing
+        x = torch.empty(len(input_ids), self.model.config.n_embd, dtype=self.model.dtype, device=dev)   # [T, C]
+        fresh = [t for b in range(len(new)) for t in range(qsl[b] + reused[b], qsl[b + 1])]
+        if fresh:
+            keep = [b for b in range(len(new)) if new[b] > reused[b]]
+            meta = AttentionMetadata.build([tables[b] for b in keep], [computed[b] + reused[b] for b in keep],
+                                           [new[b] - reused[b] for b in keep], self.block_size, dev)
+            fresh = torch.tensor(fresh, device=dev)
+            _, hs = self.model(ids[fresh], meta.positions, PagedAttention(self.kv_cache, meta, self.attention_backend),
+                               logits_indices=fresh[:0], hidden_states=(E,), exit_layer=E, all_hidden=True)
+            x[fresh] = hs[E]                                                       # [T - R, C]
+        x[[t for b in range(len(new)) for t in range(qsl[b], qsl[b] + reused[b])]] = start.hidden    # [R, C]
+        return self.model(ids, attn.metadata.positions, attn, start_layer=E, start_hidden=x, **kw)
 
     def _sample(self, scheduled, logits: torch.Tensor, rows: list):
         """Per sequence: the tokens to append, the drafts accepted, and (n > 1) the children's first tokens."""

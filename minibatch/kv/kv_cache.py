@@ -18,6 +18,8 @@ only owns memory and the position -> slot arithmetic.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -73,11 +75,12 @@ class KVCache:
         dst_t = torch.tensor(dst, device=self.device)
         self.kv[:, :, dst_t] = self.kv[:, :, src_t]     # the right side is gathered (copied) first
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Token slot src[i]'s K/V (every layer) to slot dst[i]: a tree's accepted path to consecutive slots.
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, num_layers: Optional[int] = None) -> None:
+        """Token slot src[i]'s K/V to slot dst[i], in every layer (a tree's accepted path to consecutive
+        slots) or in layers 0 .. num_layers-1 only (early exit's drafts, from scratch into the target's slots).
         The right side is gathered first, so a slot may be a destination and, later in the list, a source."""
         L, _, N, bs, H, D = self.kv.shape
-        flat = self.kv.view(L, 2, N * bs, H, D)
+        flat = self.kv.view(L, 2, N * bs, H, D)[:num_layers]      # [L', 2, slots, Hkv, D]
         flat[:, :, dst] = flat[:, :, src]
 
     @staticmethod

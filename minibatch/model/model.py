@@ -140,7 +140,8 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
                 logits_indices: Optional[torch.Tensor] = None, hidden_states: Sequence = (),
-                exit_layer: Optional[int] = None, all_hidden: bool = False):
+                exit_layer: Optional[int] = None, all_hidden: bool = False, start_layer: int = 0,
+                start_hidden: Optional[torch.Tensor] = None):
         """input_ids[T], positions[T] -> logits[N, V] for the rows ``logits_indices`` (all T if None).
 
         An engine needs logits only at each sequence's last new token (or at the
@@ -154,6 +155,12 @@ class GPT(nn.Module):
           With ``all_hidden``, they are returned at all T rows instead (EAGLE reads every token's feature).
         * ``exit_layer`` = E: run only the first E blocks, then ln_f and the shared LM head (the
           early-exit draft of LayerSkip, Elhoushi et al. 2024, §3). Their K/V are the target's own.
+        * ``start_layer`` = E with ``start_hidden`` [T, C]: start mid-stack, at block E, from the residual
+          stream entering it (what ``hidden_states=(E,)`` returns: the output of block E - 1), instead of the
+          embeddings; blocks 0 .. E-1 are not run, so they store no K/V ``attn`` (whatever is in the cache at
+          those layers is read as it is). ``input_ids`` then only gives T. LayerSkip's KV reuse (§4.2): the
+          verify of early-exit drafts starts here for the rows the drafter already ran through E blocks
+          (``ModelRunner._forward``). ``hidden_states`` may then name only i >= E.
         Returns logits, or (logits, hidden dict) when ``hidden_states`` is given.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
@@ -164,9 +171,22 @@ class GPT(nn.Module):
         n_run = self.config.n_layer if exit_layer is None else exit_layer
         if not 0 <= n_run <= self.config.n_layer:
             raise ValueError(f"exit_layer must lie in 0..{self.config.n_layer}, got {exit_layer!r}")
-        x = self.wte(input_ids) + self.wpe(positions)            # [T, C]
         want, kept = set(hidden_states), {}
-        for i in range(n_run):
+        if start_layer:
+            if not (isinstance(start_layer, int) and 0 < start_layer <= n_run) or start_hidden is None \
+                    or tuple(start_hidden.shape) != (input_ids.shape[0], self.config.n_embd):
+                raise ValueError(f"start_layer must lie in 1..{n_run} (the exit layer) with start_hidden "
+                                 f"[T={input_ids.shape[0]}, C={self.config.n_embd}]; got {start_layer!r} and "
+                                 f"{None if start_hidden is None else tuple(start_hidden.shape)}")
+            if any(isinstance(i, int) and i < start_layer for i in want):
+                raise ValueError(f"hidden_states {sorted(want, key=str)}: a call that starts at block {start_layer} "
+                                 f"has no hidden state before it")
+            x = start_hidden                                      # [T, C], entering block start_layer
+        elif start_hidden is not None:
+            raise ValueError("start_hidden is the input of block start_layer: give start_layer too")
+        else:
+            x = self.wte(input_ids) + self.wpe(positions)        # [T, C]
+        for i in range(start_layer, n_run):
             if i in want:
                 kept[i] = x
             x = self.h[i](x, i, attn)

@@ -17,7 +17,9 @@ The methods (``speculative_config={"method": ..., "num_speculative_tokens": k}``
 * ``"ngram"``: prompt lookup (``ngram.py``), no model at all.
 * ``"draft"``: a small distilled model (``draft_model.py``) with its own paged cache.
 * ``"medusa"``: heads on the target's last hidden state (``medusa.py``), no extra model pass.
-* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache.
+* ``"early_exit"``: the target's own first E layers + an adapter (``early_exit.py``), in the target's cache; its
+  verify starts at layer E for the rows it drafted (``verify_start``, LayerSkip's KV reuse; ``"kv_reuse": False``
+  recomputes them).
 * ``"eagle"``: one block drafting in feature space (``eagle.py``), its K/V one more layer of the target's cache.
 
 The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
@@ -34,9 +37,21 @@ HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on 
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
         "acceptance", "posterior_threshold", "posterior_alpha",      # these three: typical.py (lossy, opt-in)
-        "tree", "num_draft_tokens", "depth", "topk"}                 # token trees (tree.py)
+        "tree", "num_draft_tokens", "depth", "topk",                 # token trees (tree.py)
+        "kv_reuse"}                                                  # early exit: LayerSkip's KV reuse (early_exit.py)
 TREE_KINDS = {"medusa": "static", "eagle": "dynamic"}    # who makes which tree ("static" also: a list of choices)
 TREE_DEFAULTS = {"num_draft_tokens": 16, "depth": 5, "topk": 4}      # EAGLE-2's dynamic tree, sized for a CPU
+
+
+@dataclass
+class MidStackStart:
+    """A verify that starts mid-stack for some rows (LayerSkip's KV reuse, ``early_exit.py``), as a proposer
+    hands it to the model runner: the first ``num_rows[b]`` rows of scheduled sequence b have been through
+    blocks 0 .. layer-1 already, their K/V at those layers lie in the sequence's own slots (the step's slot
+    mapping), and ``hidden`` is their residual stream entering block ``layer``."""
+    layer: int
+    num_rows: list                   # [B] per scheduled sequence, batch order; 0: all its rows run every block
+    hidden: "torch.Tensor"           # [R, C], R = sum(num_rows), batch order, each sequence's rows in order
 
 
 class Proposer(abc.ABC):
@@ -66,6 +81,14 @@ class Proposer(abc.ABC):
 
     def bind(self, allocator, kv_cache, first_scratch_block: int, num_scratch_blocks: int) -> None:
         """Called once by the engine: the target's allocator (to read block tables) and its cache."""
+
+    def verify_start(self, scheduled: list, slot_mapping, query_start_loc: list) -> Optional[MidStackStart]:
+        """Called by the model runner before a forward that verifies drafts, after the step's copy-on-write,
+        with the step's ``ScheduledSeq`` list, its slot mapping [T] and its query_start_loc [B+1] (a list).
+        A proposer whose drafting computed some of the verified rows' first layers exactly as the target
+        would (early exit) may write their K/V into those rows' slots and return where the verify may start
+        for them; the default, None, runs every row through every block."""
+        return None
 
 
 def proposal_budget(seq, k: int) -> int:
@@ -116,6 +139,9 @@ def check_speculative_config(spec_config) -> None:
     if method == "ngram":
         from minibatch.spec_decode.ngram import check_ngram_sizes
         check_ngram_sizes(spec_config.get("prompt_lookup_min", 1), spec_config.get("prompt_lookup_max", 3))
+    if "kv_reuse" in spec_config and (method != "early_exit" or not isinstance(spec_config["kv_reuse"], bool)):
+        raise ValueError(f"speculative_config['kv_reuse'] is True or False, for method 'early_exit' (whether its "
+                         f"verify reuses the drafter's first layers); got {spec_config['kv_reuse']!r} for {method!r}")
     from minibatch.spec_decode.typical import check_typical_config
     check_typical_config(spec_config)
 
@@ -212,7 +238,7 @@ def make_proposer(spec_config, target, draft, engine_config):
                 return EagleProposer(target, head, k, engine_config)
             return EagleProposer(target, head, tree_cfg["depth"], engine_config, tree=tree_cfg)
         from minibatch.spec_decode.early_exit import EarlyExitProposer
-        return EarlyExitProposer(target, head, k, engine_config)
+        return EarlyExitProposer(target, head, k, engine_config, kv_reuse=spec_config.get("kv_reuse", True))
     from minibatch.spec_decode.draft_model import DraftModelProposer
     if draft is None:
         from minibatch.model.weights import load_model

@@ -18,8 +18,9 @@ For a sequence with m computed tokens, drafting positions m .. m + n - 1, its dr
     + fresh scratch blocks                           until the table covers m + n positions
 
 so the target's blocks are never written by a drafter: rejected drafts leave nothing behind, and a
-block shared by the prefix cache or a fork is safe. The target recomputes the drafted positions when it
-verifies them (the recompute variant of LayerSkip's reuse: see early_exit.py).
+block shared by the prefix cache or a fork is safe. When the target verifies the drafted positions, early
+exit copies their K/V from scratch into the slots the scheduler then gives them (LayerSkip's KV reuse; with
+``kv_reuse=False`` the target recomputes them instead: see early_exit.py).
 """
 from __future__ import annotations
 
