@@ -25,7 +25,7 @@ from minibatch import viz  # noqa: E402
 from minibatch.spec_decode import tree  # noqa: E402
 from minibatch.trace import TraceRecorder  # noqa: E402
 from minibatch.viz.common import PHASE_COLORS, SPEC_TARGET_COLOR, TraceError  # noqa: E402
-from minibatch.viz.tree import tree_rows  # noqa: E402
+from minibatch.viz.tree_data import tree_rows  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))

@@ -134,7 +134,7 @@ def scenario_tree(model, small: bool) -> dict:
 def tree_lines(traces: list, meta=None) -> list:
     """Token trees: how long the kept path was, what the drafter's first-ranked branch alone (a chain of its top
     guesses) would have kept, and the tokens per target forward."""
-    from minibatch.viz.tree import step_tree, tree_label                   # matplotlib-free, as the text view
+    from minibatch.viz.tree_data import step_tree, tree_label                   # matplotlib-free, as the text view
     views = [step_tree(traces, t.step, s.seq_id) for t in traces for s in t.scheduled if s.draft_parents]
     if not views:
         return []

@@ -28,10 +28,11 @@ and notebooks can check it. The rooms, one idea each:
     blocks     block pool and block tables          timeline   batch membership
     usage      occupancy, throughput, comparison    dashboard  draw_step
     anim       animate, save                        widget     step_through, live
-    text       text_view, print_trace                tree       draw_tree, draw_tree_mask, step_tree
+    text       text_view, print_trace                tree       draw_tree, draw_tree_mask
+    tree_data  step_tree, tree_trace: a tree step as plain data
 """
-# name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text; tree
-# until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
+# name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text,
+# tree_data; tree until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
 _WHERE = {
     **dict.fromkeys(['WriterUnavailableError', 'animate', 'busiest_step', 'frame_steps', 'save', 'to_html'], 'anim'),
     **dict.fromkeys(['block_owners', 'block_state', 'draw_block_tables', 'draw_blocks'], 'blocks'),
@@ -40,7 +41,8 @@ _WHERE = {
     **dict.fromkeys(['SEQ_PALETTE', 'SEQ_PALETTE_LARGE', 'alive_sets', 'seq_color', 'seq_order'], 'palette'),
     **dict.fromkeys(['draw_step', 'step_title'], 'dashboard'),
     **dict.fromkeys(['print_trace', 'text_view', 'tree_outline'], 'text'),
-    **dict.fromkeys(['draw_tree', 'draw_tree_mask', 'step_tree', 'token_label', 'tree_steps', 'tree_trace'], 'tree'),
+    **dict.fromkeys(['draw_tree', 'draw_tree_mask'], 'tree'),
+    **dict.fromkeys(['step_tree', 'token_label', 'tree_steps', 'tree_trace'], 'tree_data'),
     **dict.fromkeys(['draw_timeline', 'run_title', 'speculation', 'timeline_cells'], 'timeline'),
     **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
     **dict.fromkeys(['live', 'step_through'], 'widget'),

@@ -31,7 +31,7 @@ import sys
 from minibatch.model.tokenizer import decode
 from minibatch.trace import StepTrace
 from minibatch.viz.common import as_traces
-from minibatch.viz.tree import step_tree
+from minibatch.viz.tree_data import step_tree
 
 
 def _names(ids) -> str:

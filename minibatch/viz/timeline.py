@@ -141,7 +141,7 @@ def run_title(traces, meta=None) -> str:
         method = getattr(last, "speculative_method", None) or spec.get("method")
         method = {"draft": "draft model", "ngram": "n-gram lookup"}.get(method, method)
         if any(s.draft_parents for t in traces for s in t.scheduled):      # a token tree: N drafts, not a chain
-            from minibatch.viz.tree import tree_label
+            from minibatch.viz.tree_data import tree_label
             return title + f" + tree speculation ({tree_label(method)}, up to {k} drafts)"
         k = getattr(last, "num_speculative_tokens", 0) or spec.get("num_speculative_tokens", k)
         title += f" + speculative decoding ({method + ', ' if method else ''}k = {k})"
