@@ -1,7 +1,8 @@
 """Token trees under random shapes and random cache pressure (hypothesis): nothing lost, nothing changed.
 
 Each example draws a tree (Medusa choices of any shape up to the heads' depth, or EAGLE-2's dynamic tree at any
-size), a block size, a cache small enough to preempt, a token budget, and each request's max_tokens. The
+size), a block size, a cache small enough to preempt, a token budget, each request's max_tokens, and continuous
+or static batching (whose batches reserve every block a member can need, a tree's lookahead included). The
 engine then runs a few code prompts greedily, and after every step the allocator's invariants hold for the
 live sequences (ref counts, free list, hash chains, nothing owned twice); at the end every block is free and
 every output is the plain greedy output cut at its max_tokens.
@@ -52,16 +53,16 @@ def tree_configs(draw):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=tree_configs(), block_size=st.sampled_from([4, 8, 16]), spare_blocks=st.integers(0, 12),
        max_tokens=st.lists(st.integers(1, LONGEST), min_size=len(PROMPTS), max_size=len(PROMPTS)),
-       budget=st.sampled_from([32, 64, 512]))
+       budget=st.sampled_from([32, 64, 512]), scheduling=st.sampled_from(["continuous", "static"]))
 def test_random_trees_under_pressure_lose_nothing(target_model, longest, spec, block_size, spare_blocks,
-                                                  max_tokens, budget):
+                                                  max_tokens, budget, scheduling):
     if spec is None:
         pytest.skip("no shipped medusa or eagle checkpoint")
     # the fewest blocks one request can ever need (its prompt, outputs and a tree's lookahead), plus spare ones
     need = max(len(p) + m + 25 for p, m in zip(PROMPTS, max_tokens))
     blocks = -(-need // block_size) + spare_blocks
     llm = LLM(target_model, speculative_config=spec, block_size=block_size, num_gpu_blocks=blocks,
-              max_num_batched_tokens=budget, max_num_seqs=4)
+              max_num_batched_tokens=budget, max_num_seqs=4, scheduling=scheduling)
     eng = llm.llm_engine
     preempted = []
     eng.add_hook(lambda t: eng.allocator.check_invariants(eng.scheduler.live_seq_ids()))
@@ -71,4 +72,4 @@ def test_random_trees_under_pressure_lose_nothing(target_model, longest, spec, b
         assert o.outputs[0].token_ids == ref[:m], spec
     eng.allocator.check_invariants()
     assert eng.allocator.num_free_blocks == eng.allocator.num_blocks, "blocks leaked"
-    event(f"{spec['method']}: {'preempted' if preempted else 'no preemption'}")
+    event(f"{spec['method']}, {scheduling}: {'preempted' if preempted else 'no preemption'}")

@@ -28,10 +28,11 @@ class StaticBatching:
         self.batch: list[Sequence] = []        # the batch being run, finished members included (with their blocks)
 
     def reservation(self, seq: Sequence) -> int:
-        """Blocks set aside for ``seq`` at its full length: its own prompt + max_tokens, and for each of its
-        n - 1 forks everything but the full prompt blocks they share."""
+        """Blocks set aside for ``seq`` at its full length: its own prompt + max_tokens (+ the slots a token tree's
+        verify writes past its last token, ``num_lookahead_slots``), and for each of its n - 1 forks everything but
+        the full prompt blocks they share."""
         a = self.allocator
-        whole = a.blocks_needed(len(seq) + seq.params.max_tokens)
+        whole = a.blocks_needed(len(seq) + seq.params.max_tokens + self.num_lookahead_slots)
         return whole + seq.num_forks_pending * (whole - len(seq) // a.block_size)
 
     def check_request(self, seq: Sequence) -> None:
