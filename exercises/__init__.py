@@ -112,12 +112,13 @@ def _decode_first(student_decode, general):
     reaches the student's paged decode kernel (ex9) without changing the engine.
     """
     def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        max_query_len=None):
+                        max_query_len=None, tree_bits=None):
         B = seq_lens.shape[0]
-        if B and query.shape[0] == B and query_start_loc.cpu().tolist() == list(range(B + 1)):
+        if tree_bits is None and B and query.shape[0] == B and query_start_loc.cpu().tolist() == list(range(B + 1)):
             return student_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        tree = {} if tree_bits is None else {"tree_bits": tree_bits}          # a tree step: the general kernel
         return general(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                       max_query_len=max_query_len)
+                       max_query_len=max_query_len, **tree)
     paged_attention.student = student_decode
     return paged_attention
 
@@ -297,6 +298,9 @@ def call_student(name: str, *args, **kwargs):
     if getattr(fn, "_held_out", None) == p.name:
         raise RuntimeError(f"exercises/{p.stem}.py hands the call back to {p.module}.{p.reference_of(func)}, which "
                            f"in the student release is your own {func}: write it")
+    if kwargs:                                 # what the engine passes beyond the exercise's own signature
+        from minibatch.kv.backends import check_accepts
+        check_accepts(fn, list(kwargs), f"your {func} (exercises/{p.stem}.py)")
     return fn(*args, **kwargs)
 
 

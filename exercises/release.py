@@ -16,7 +16,8 @@ A copy of this repository for students, in which the reference of every chosen p
   reference) and pass on the instructor's solutions; the grader (``python -m exercises.grade``) comes along;
 * instructor-only files stay behind: the mutants, this builder, the honesty test, the grader's crash tests
   and the release's own test (``INSTRUCTOR_ONLY``);
-* each notebook gets a first cell that switches on ``exercises.notebook``'s guard.
+* each notebook gets a first cell that switches on ``exercises.notebook``'s guard, and a cell that works a
+  held-out part's answer out by hand (metadata ``{"minibatch": {"answer_of": "exN"}}``) becomes a note.
 
 ``--solutions DIR`` also writes the instructor's solutions there, one student file per part: the stub with
 every unwritten function replaced by the reference's definition (renamed where the names differ, with the
@@ -79,10 +80,17 @@ def _span(node) -> tuple:
 
 
 def _call_args(args: ast.arguments) -> str:
+    """The call that hands a stand-in's arguments on. A keyword-only argument that defaults to None goes on only
+    when given: the reference may have grown one (``tree_bits``) that the exercise's signature does not have."""
     out = [a.arg for a in args.posonlyargs + args.args]
     if args.vararg:
         out.append("*" + args.vararg.arg)
-    out += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+    optional = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults)
+                if isinstance(d, ast.Constant) and d.value is None]
+    out += [f"{a.arg}={a.arg}" for a in args.kwonlyargs if a.arg not in optional]
+    if optional:
+        given = ", ".join(f"{name!r}: {name}" for name in optional)
+        out.append(f"**{{k: v for k, v in {{{given}}}.items() if v is not None}}")
     if args.kwarg:
         out.append("**" + args.kwarg.arg)
     return ", ".join(out)
@@ -205,8 +213,24 @@ def solution(p: exercises.Piece, root: Path = REPO) -> str:
 
 
 # -- building ---------------------------------------------------------------------------------------------------
-def _guard_notebook(path: Path) -> None:
+def _answer_cell(cell: dict, p: exercises.Piece) -> dict:
+    """A notebook cell that works an exercise's answer out by hand (metadata ``{"minibatch": {"answer_of":
+    "exN"}}``), in a release that holds that part out: a note pointing at the student's file instead."""
+    names = ", ".join(f"`{f}`" for f in p.functions)
+    out = {"cell_type": "markdown", "metadata": {},
+           "source": [f"*In this student release, a cell here worked out by hand what exercise {p.part[2:]} asks of "
+                      f"you ({names} in `exercises/{p.stem}.py`); the cells below run on yours.*"]}
+    if "id" in cell:
+        out["id"] = cell["id"]
+    return out
+
+
+def _guard_notebook(path: Path, held_out=()) -> None:
     nb = json.loads(path.read_text(encoding="utf-8"))
+    by_part = {p.part: p for p in held_out}
+    nb["cells"] = [_answer_cell(c, by_part[c["metadata"]["minibatch"]["answer_of"]])
+                   if c.get("metadata", {}).get("minibatch", {}).get("answer_of") in by_part else c
+                   for c in nb["cells"]]
     code = next((c for c in nb["cells"] if c["cell_type"] == "code"), None)
     cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": list(GUARD_CELL)}
     if code is not None and "id" in code:
@@ -239,7 +263,7 @@ def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REP
         '"""Written by exercises/release.py: the parts whose reference this student release leaves out."""\n'
         f"REMOVED = frozenset({{{names}}})\n")
     for nb in sorted((out / "notebooks").glob("*.ipynb")):
-        _guard_notebook(nb)
+        _guard_notebook(nb, pieces)
     readme = out / "exercises" / "README.md"
     if readme.exists():
         parts = ", ".join(f"{p.part} ({p.title})" for p in pieces)

@@ -16,8 +16,9 @@ attention"). A sequence's new tokens may be the nodes of a tree of drafts: node
 i is cached at ``context_len + i`` but sees only the context, its ancestors and
 itself. ``tree_bits[t]`` (int64, one per query row) holds that row's mask over
 this step's tokens: key ``context_len + r`` is visible iff bit r is set (and it
-is causal), -1 = every bit = plain causal. A tree has at most 64 nodes, so every
-shift is < 64. Without trees the launch passes ``HAS_TREE=False`` and the kernel
+is causal), -1 = every bit = plain causal. A tree has at most 64 nodes; the shift
+is clamped to 0..63 because other rows (a long prefill beside a tree, -1) and key
+tiles past seq_len reach further, and a shift of 64 or more is undefined. Without trees the launch passes ``HAS_TREE=False`` and the kernel
 compiles exactly as before: no load, no bit test.
 
 Parallelisation. One program per (sequence, tile of query tokens, KV head).
@@ -142,7 +143,8 @@ def _paged_attention_kernel(
         if HAS_TREE:
             # Tree: key context_len + i (node i) only if bit i of the row is set; the context always.
             node = k_pos - context_len                                 # [BLOCK_N], < 0 in the context
-            bit = (bits[:, None] >> tl.where(node >= 0, node, 0)[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+            shift = tl.minimum(tl.maximum(node, 0), 63)                # a shift of 64+ is undefined (LLVM)
+            bit = (bits[:, None] >> shift[None, :]) & 1                   # [BLOCK_M, BLOCK_N]
             visible = visible & ((bit != 0) | (node < 0)[None, :])
         s = tl.where(visible, s, float("-inf"))
 

@@ -87,6 +87,12 @@ def test_the_release_holds_every_part_out_and_keeps_the_rest(built):
     for nb in (out / "notebooks").glob("*.ipynb"):
         cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
         assert "skip_unfinished_cells()" in "".join(cells[0]["source"]), nb.name
+        assert not [c for c in cells if c["metadata"].get("minibatch", {}).get("answer_of")], \
+            f"{nb.name} still works a held-out exercise's answer out by hand"
+    worked = [c for c in json.loads((ROOT / "notebooks" / "07_token_trees.ipynb").read_text())["cells"]
+              if c["metadata"].get("minibatch", {}).get("answer_of") == "ex8"]
+    assert worked and "by_hand" in "".join(worked[0]["source"]), "the instructor's notebook 07 lost its worked mask"
+    assert "by_hand" not in (out / "notebooks" / "07_token_trees.ipynb").read_text()
     p = run(out, "-c", "import exercises; print(sorted(exercises.REMOVED)); exercises.reference('ngram')")
     assert "ReferenceRemoved" in p.stderr and "not part of the student release" in p.stderr, p.stderr
 
@@ -219,3 +225,26 @@ def test_the_readme_commands_work_in_the_release(built):
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("def fib(n):") and len(p.stdout) > len("def fib(n):") + 20
     assert "the serving engine cannot run yet: this needs exercise" in p.stderr
+
+
+def test_a_stand_in_hands_on_only_the_keywords_it_was_given(monkeypatch):
+    """The loop backend's reference grew ``tree_bits=None`` after exercise 2's signature was set: its stand-in
+    must call a student's seven-argument function without it on every ordinary step, and with it on a tree
+    step (where call_student then says clearly that the student's function takes none)."""
+    p = exercises.PIECES["paged_attention"]
+    source = release.cut((ROOT / release.module_path(p)).read_text(), p)
+    ns = {"__name__": "release_backends"}
+    exec(compile(source, "release_backends", "exec"), ns)
+    calls = []
+    monkeypatch.setattr(exercises, "call_student", lambda name, *a, **kw: calls.append((name, len(a), kw)))
+    ns["paged_attention_loop"](*range(7))
+    ns["paged_attention_loop"](*range(7), tree_bits="bits")
+    assert calls == [("paged_attention", 7, {}), ("paged_attention", 7, {"tree_bits": "bits"})]
+
+    def students(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+        return "ok"
+    monkeypatch.undo()                                          # the real call_student, over this student file
+    monkeypatch.setattr(exercises, "_checked_student", lambda name: students)
+    assert exercises.call_student("paged_attention", *range(7)) == "ok"
+    with pytest.raises(TypeError, match="takes no tree_bits"):
+        exercises.call_student("paged_attention", *range(7), tree_bits="bits")

@@ -177,6 +177,17 @@ def _triton_case(dtype, shape, bs, heads, device, D=16):
 
 @pytest.mark.parametrize("backend", ["loop", "batched",
                                      pytest.param("triton", marks=[needs_kernels, pytest.mark.interpreter])])
+def test_a_long_prefill_beside_a_tree(backend):
+    """Rows of a 100-token prefill (tree_bits -1) reach key offsets far past 64 from their own start: the mask's
+    shift must stay within an int64 for them too."""
+    seqs = [(0, 100), (13, SHAPES["bushy"]), (70, random_parents(20, random.Random(3)))]
+    md, kc, vc, q, K, V, parents = make_step(seqs, 4, 2, 16, 16, seed=9)
+    out = attend(backend, md, kc, vc, q, 0.25)
+    torch.testing.assert_close(out.double(), oracle(md, q, K, V, parents, 0.25), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["loop", "batched",
+                                     pytest.param("triton", marks=[needs_kernels, pytest.mark.interpreter])])
 def test_a_chain_given_as_a_tree_is_exactly_the_causal_step(backend):
     seqs = [(11, tree.chain_parents(9)), (0, 5), (21, 1)]
     md, kc, vc, q, *_ = make_step(seqs, 4, 2, 16, 8, seed=5)
@@ -223,6 +234,35 @@ def test_a_students_loop_without_tree_bits_still_runs_ordinary_steps(monkeypatch
             0, q, torch.cat([k[-n:] for k, n in zip(K, (3, 5, 1))]).float(),
             torch.cat([v[-n:] for v, n in zip(V, (3, 5, 1))]).float())
         torch.testing.assert_close(out.double(), oracle(md, q, K, V, parents, 8 ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_students_loop_without_tree_bits_stops_a_tree_step_clearly(monkeypatch, debug):
+    """... and a tree step that reaches it stops before the call, saying what is missing, not a TypeError inside."""
+    def student(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+        raise AssertionError("never called on a tree step")
+    monkeypatch.setattr(backends, "paged_attention_loop", student)
+    md, kc, vc, q, K, V, parents = make_step([(6, SHAPES["bushy"]), (3, 1)], 4, 4, 8, 4)
+    cache = KVCache(1, kc.shape[0], 4, 4, 8, dtype=torch.float32)
+    n = q.shape[0]
+    with pytest.raises(TypeError, match="student takes no tree_bits.*another attention backend"):
+        PagedAttention(cache, md, backend="loop", debug=debug)(0, q, torch.zeros(n, 4, 8), torch.zeros(n, 4, 8))
+
+
+def test_exercise_9s_direct_adapter_hands_tree_bits_to_the_general_kernel():
+    """``kernels.paged_attention`` as ex9 patches it: a tree step, bits included, goes to the general kernel."""
+    import exercises
+    seen = []
+
+    def general(*args, **kw):
+        seen.append(kw.get("tree_bits"))
+        return "general"
+    adapter = exercises._decode_first(lambda *a: "student", general)
+    md, kc, vc, q, K, V, parents = make_step([(5, SHAPES["bushy"]), (3, 1)], 4, 2, 16, 4, seed=11)
+    args = (q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
+    assert adapter(*args, tree_bits=md.tree_bits) == "general" and seen[-1] is md.tree_bits
+    md1 = make_step([(5, 1), (3, 1)], 4, 2, 16, 4, seed=11)[0]
+    assert adapter(q[:2], kc, vc, md1.block_tables, md1.seq_lens, md1.query_start_loc, 0.25) == "student"
 
 
 def test_build_positions_are_context_plus_depth_and_bits_come_from_the_tree():

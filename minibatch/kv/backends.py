@@ -27,10 +27,13 @@ public function (checks included), so that a student's version can stand in for 
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
+
+from minibatch.spec_decode.tree import MAX_TREE_NODES
 
 
 # -- checks: one clear error before anything is written ------------------------------
@@ -95,7 +98,7 @@ def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
 
 
 def check_tree_bits(tree_bits, query_start_loc, T, device, who):
-    """tree_bits [T] int64; a tree row (not -1) is one of its sequence's first 64 and sees itself."""
+    """tree_bits [T] int64; a tree row (not -1) is one of its sequence's first MAX_TREE_NODES and sees itself."""
     if not isinstance(tree_bits, torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != (T,):
         raise TypeError(f"{who}: tree_bits must be an int64 tensor [T = {T}], got "
                         f"{getattr(tree_bits, 'dtype', type(tree_bits).__name__)} {tuple(getattr(tree_bits, 'shape', ()))}")
@@ -103,9 +106,10 @@ def check_tree_bits(tree_bits, query_start_loc, T, device, who):
         raise ValueError(f"{who}: tree_bits is on {tree_bits.device}, the query on {device}")
     qsl, t = query_start_loc.long(), torch.arange(T, device=device)
     i = t - qsl[torch.searchsorted(qsl[1:], t, right=True).clamp(max=len(qsl) - 2)]     # [T] index in its sequence
-    if bool(((tree_bits != -1) & ((i >= 64) | ((tree_bits >> i.clamp(0, 63)) & 1 == 0))).any()):
-        raise ValueError(f"{who}: a tree_bits row other than -1 must belong to one of its sequence's first 64 "
-                         f"tokens (a tree has at most 64 nodes) and have its own bit set (a node sees itself)")
+    n = MAX_TREE_NODES
+    if bool(((tree_bits != -1) & ((i >= n) | ((tree_bits >> i.clamp(0, n - 1)) & 1 == 0))).any()):
+        raise ValueError(f"{who}: a tree_bits row other than -1 must belong to one of its sequence's first {n} "
+                         f"tokens (a tree has at most {n} nodes) and have its own bit set (a node sees itself)")
 
 
 # -- store ------------------------------------------------------------------------------
@@ -289,16 +293,34 @@ def _triton_attend(query, key_cache, value_cache, md, scale):
                    scale, md.max_query_len, out, tree_bits=md.tree_bits)
 
 
-def _tree(md) -> dict:
-    """tree_bits=, only when the step has a tree: a student's function (ex2, ex9) has no such parameter."""
-    return {} if md.tree_bits is None else {"tree_bits": md.tree_bits}
+def check_accepts(fn, names, who: str) -> None:
+    """A clear error, before the call, when ``fn`` has no parameter for one of ``names``: e.g. a student's paged
+    attention (ex2) has no ``tree_bits``, which a token tree step needs."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise TypeError(f"{who} takes no {', '.join(missing)}, which this step needs (a token tree's mask is "
+                        f"tree_bits); run trees on another attention backend, or give it "
+                        f"{', '.join(f'{n}=None' for n in missing)} and honour it")
+
+
+def _tree(md, fn=None) -> dict:
+    """tree_bits=, only when the step has a tree: a student's function (ex2, ex9) has no such parameter, so a tree
+    step that reaches one without it (``fn``) stops with a clear error rather than a TypeError deep inside."""
+    if md.tree_bits is None:
+        return {}
+    if fn is not None:
+        check_accepts(fn, ["tree_bits"], f"{fn.__module__}.{fn.__name__}")
+    return {"tree_bits": md.tree_bits}
 
 
 def _checked(fn):
     """A backend body that re-checks its inputs on every call (debug checks)."""
     def attend(query, key_cache, value_cache, md, scale):
         return fn(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                  **_tree(md))
+                  **_tree(md, fn))
     return attend
 
 
@@ -318,7 +340,8 @@ def get(backend: str, checked: bool = False):
         return store_kv_torch, _checked(attend)
     if backend == "loop":            # looked up at each call, so exercises.patch_engine can swap in a student's
         return _store, lambda q, kc, vc, md, s: paged_attention_loop(q, kc, vc, md.block_tables, md.seq_lens,
-                                                                     md.query_start_loc, s, **_tree(md))
+                                                                     md.query_start_loc, s,
+                                                                     **_tree(md, paged_attention_loop))
     return _store, _batched
 
 

@@ -64,10 +64,6 @@ def chain_parents(k: int) -> list:
     return [-1] + list(range(k))
 
 
-def is_chain(parents) -> bool:
-    return all(p == i - 1 for i, p in enumerate(parents))
-
-
 def positions(parents, context_len: int) -> list:
     """Where each node sits in its sequence: context_len + its depth (siblings share a position).
     The root sits at context_len, right after the cached context; a node one past its parent."""
@@ -109,14 +105,6 @@ def children(parents) -> list:
     return out
 
 
-def path_to(parents, node: int) -> list:
-    """The nodes from the root to ``node``: [0, ..., node]."""
-    path = [node]
-    while path[-1]:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
 def leaves(parents) -> list:
     kids = children(parents)
     return [i for i in range(len(parents)) if not kids[i]]
@@ -155,6 +143,8 @@ def from_choices(choices) -> tuple:
     except TypeError:
         raise ValueError(f"tree choices must be a list of tuples of ranks, e.g. [(0,), (1,), (0, 0)]; "
                          f"got {choices!r}") from None
+    if not cs:
+        raise ValueError("a tree needs at least one choice, e.g. [(0,), (1,), (0, 0)]; got an empty list")
     if any(not c or min(c) < 0 for c in cs):
         raise ValueError(f"every tree choice is a non-empty tuple of ranks >= 0; got {choices!r}")
     if len(set(cs)) != len(cs):
