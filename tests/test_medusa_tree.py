@@ -114,3 +114,14 @@ def test_bad_trees_are_refused(choices, k, match):
 def test_the_shipped_heads_load_for_a_tree(target_model):
     prop = MedusaProposer(load_head("medusa", target_model), tree=medusa_tree.load_tree())
     assert prop.tree_nodes == medusa_tree.DEFAULT_SIZE and prop.num_lookahead_slots == prop.tree_nodes
+
+
+@pytest.mark.parametrize("path,judged", [
+    ([0], 1),                # nothing accepted: the root's children were judged
+    ([0, 1], 2),             # node 1 accepted, its child 3 judged (and rejected)
+    ([0, 1, 3], 2),          # a leaf reached: nothing below it was tried
+    ([0, 2], 1),             # node 2 is a leaf
+])
+def test_judged_depths_by_hand(path, judged):
+    parents = [-1, 0, 0, 1]                                  # root -> 1, 2; 1 -> 3
+    assert tree.judged_depths(parents, path) == judged

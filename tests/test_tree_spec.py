@@ -137,12 +137,15 @@ def test_cache_after_trees_equals_a_plain_prefill(target_model, name):
 
 @pytest.mark.parametrize("name", ["eagle dynamic 6/3/2", "medusa static (shipped)"])
 def test_sampled_tokens_are_distributed_as_the_target(target_model, exact, name):  # noqa: F811
-    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=2000 + i) for i in range(N_SAMPLES)]
+    # max_tokens 4: the verify after the first token drafts a tree 2 deep, so tokens 2 and 3 can both come from
+    # it (an accepted child and grandchild, a correction below an accepted child, ...): the walk down the tree
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=2000 + i) for i in range(N_SAMPLES)]
     outs, traces, _ = run(target_model, TREES[name], params=params, prompts=[PROMPT] * N_SAMPLES, max_num_seqs=64)
     steps = tree_steps(traces)
     assert len(steps) > N_SAMPLES // 2 and sum(s.accepted for s in steps) > N_SAMPLES // 4
+    assert sum(s.accepted >= 2 for s in steps) > N_SAMPLES // 20, "no path went two deep: the walk is untested"
     import numpy as np
-    chi2, crit = chi_square(np.array([o.outputs[0].token_ids for o in outs]), exact)
+    chi2, crit = chi_square(np.array([o.outputs[0].token_ids[:3] for o in outs]), exact)
     assert chi2 < crit, f"{name}: chi-square {chi2:.1f} rejects the target's joint law at 0.001 ({crit:.1f})"
 
 
@@ -153,6 +156,7 @@ def test_sampled_tokens_are_distributed_as_the_target(target_model, exact, name)
     ({"method": "medusa", "tree": "dynamic"}, "'static'"),
     ({"method": "medusa", "tree": [(0,), (0, 0), (1, 1)]}, "no parent"),
     ({"method": "medusa", "tree": [(0,), (0,)]}, "duplicate"),
+    ({"method": "medusa", "tree": []}, "at least one choice"),
     ({"method": "medusa", "tree": "static", "num_draft_tokens": 7}, "shipped"),
     ({"method": "medusa", "tree": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]}, "heads"),
     ({"method": "eagle", "tree": "dynamic", "num_draft_tokens": 64}, "num_draft_tokens"),
@@ -165,6 +169,29 @@ def test_bad_trees_are_refused_at_construction(target_model, spec, match):
     need(spec) if spec["method"] in HAVE else None
     with pytest.raises(ValueError, match=match):
         LLM(target_model, speculative_config=spec)
+
+
+@pytest.mark.parametrize("name", ["eagle dynamic (defaults)", "medusa static (shipped)"])
+@pytest.mark.parametrize("max_tokens", [26, 30, 31])
+def test_static_batching_reserves_a_trees_lookahead(target_model, name, max_tokens):
+    """A static batch reserves each member's blocks at full length up front and never preempts, so it must count
+    the slots a tree's verify writes past the last token; a cache that holds only prompt + max_tokens for each
+    (what it once reserved) ran out of blocks mid-batch."""
+    need(TREES[name])
+    prompts = [list(b"def f("), list(b"x = [1")]
+    bs = 8
+    tight = sum(-(-(len(p) + max_tokens) // bs) for p in prompts) + 1
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens)] * 2
+    outs, _, _ = run(target_model, TREES[name], params=params, prompts=prompts, scheduling="static", block_size=bs,
+                     num_gpu_blocks=tight)
+    plain = LLM(target_model).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_dynamic_tree_with_k_left_empty_takes_its_default_depth(target_model):
+    need({"method": "eagle"})
+    llm = LLM(target_model, speculative_config={"method": "eagle", "tree": "dynamic", "num_speculative_tokens": None})
+    assert llm.llm_engine.proposer.k == 5 and llm.llm_engine.proposer.tree["depth"] == 5
 
 
 def test_a_tree_larger_than_the_token_budget_is_refused(target_model):

@@ -103,7 +103,7 @@ def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plai
     alpha = st.get("acceptance_rate", 0.0)
     by_pos = "/".join(f"{a:.2f}" for a in st.get("acceptance_by_position", [])) or "-"
     tau = st.get("tokens_per_verify_step", 1.0)
-    formula = st.get("expected_tokens_per_verify_step", 1.0)
+    formula = st.get("expected_tokens_per_verify_step") or 1.0            # None for a tree (no chain formula)
     cost = _propose_time(tr) / _decode_step_time(base_tr)
     predicted = formula / (1 + cost)
     n_params, passes = added_params(llm)

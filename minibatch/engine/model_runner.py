@@ -197,7 +197,8 @@ class ModelRunner:
 
     def _keep_paths(self, paths, slot_mapping, qsl, rows, hidden) -> None:
         """Move each accepted path to consecutive slots: node path[j], stored at cache index c0 + path[j], goes
-        to c0 + j, in every layer, and so do its hidden states. A copy, not a remap: a block table maps whole
+        to c0 + j, in each of the target's layers (the verify wrote no other: a drafter's own cache layer, EAGLE's,
+        is rewritten by its catch-up pass), and so do its hidden states. A copy, not a remap: a block table maps whole
         blocks, and a path's nodes share blocks with rejected siblings. It copies at most depth tokens per
         sequence (cheap beside the forward), and afterwards the cache, the scheduler's count
         (num_computed_tokens = c0 + 1 + accepted) and the proposers all see a plain chain."""
@@ -207,7 +208,7 @@ class ModelRunner:
         dev = slot_mapping.device
         frm = torch.tensor([qsl[b] + node for b, node, _ in src], device=dev)      # flat rows of the batch
         to = torch.tensor([qsl[b] + j for b, _, j in src], device=dev)
-        self.kv_cache.copy_slots(slot_mapping[frm], slot_mapping[to])
+        self.kv_cache.copy_slots(slot_mapping[frm], slot_mapping[to], num_layers=self.model.config.n_layer)
         for name, h in hidden.items():          # [T, C] (all rows) or [N, C] (the logits rows)
             if self.all_hidden:
                 h[to.to(h.device)] = h[frm.to(h.device)]

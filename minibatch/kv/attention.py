@@ -91,8 +91,7 @@ class AttentionMetadata:
                 positions += range(c, c + n)
                 bits += [-1] * n
             else:
-                positions += tree.positions(parents, c) if hasattr(tree, "positions") else \
-                    [c + d for d in tree.depths(parents)]
+                positions += tree.positions(parents, c)
                 bits += tree.mask_bits(parents)
         tree_bits = None if all(p is None for p in trees) else torch.tensor(bits, dtype=torch.int64, device=device)
         return cls(slots, block_table_tensor(block_tables, device),

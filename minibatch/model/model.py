@@ -183,7 +183,8 @@ class GPT(nn.Module):
                                  f"has no hidden state before it")
             x = start_hidden                                      # [T, C], entering block start_layer
         elif start_hidden is not None:
-            raise ValueError("start_hidden is the input of block start_layer: give start_layer too")
+            raise ValueError(f"start_hidden is the input of block start_layer, which must be >= 1 (block 0's input is "
+                             f"the embeddings); got start_layer={start_layer!r}")
         else:
             x = self.wte(input_ids) + self.wpe(positions)        # [T, C]
         for i in range(start_layer, n_run):

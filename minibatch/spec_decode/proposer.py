@@ -51,7 +51,7 @@ class MidStackStart:
     mapping), and ``hidden`` is their residual stream entering block ``layer``."""
     layer: int
     num_rows: list                   # [B] per scheduled sequence, batch order; 0: all its rows run every block
-    hidden: "torch.Tensor"           # [R, C], R = sum(num_rows), batch order, each sequence's rows in order
+    hidden: object                   # torch.Tensor [R, C], R = sum(num_rows), batch order, each sequence's rows in order
 
 
 class Proposer(abc.ABC):
@@ -60,7 +60,8 @@ class Proposer(abc.ABC):
     sequential_passes = "k"          # draft passes one after the other per step ("k", or a number)
     all_hidden = False               # True: hidden_states at every token of the step, not only the logits rows
     tree_nodes = 0                   # a tree proposer: the most draft nodes it proposes (0: a chain)
-    num_lookahead_slots = 0          # a tree proposer: draft nodes past its depth (slots a verify writes, then drops)
+    num_lookahead_slots = 0          # a tree proposer: slots a verify may write past a sequence's last token and
+                                     # then drop (all N nodes, conservatively; a chain needs none beyond max_tokens)
 
     def __init__(self, k: int):
         self.k = k
@@ -168,7 +169,6 @@ def check_tree_config(spec_config) -> None:
                          + ", ".join(f"{m} ({t!r})" for m, t in TREE_KINDS.items()))
     if spec_config.get("acceptance", "rejection") != "rejection":
         raise ValueError("typical acceptance is for chains only; a tree is verified by the lossless tree rule")
-    k = spec_config.get("num_speculative_tokens")
     if isinstance(kind, (list, tuple)):
         if method != "medusa":
             raise ValueError("a tree of your own choices (a list) is for method 'medusa' (its heads' ranks)")
@@ -187,7 +187,15 @@ def check_tree_config(spec_config) -> None:
         if "num_draft_tokens" in spec_config:
             _int_in(spec_config, "num_draft_tokens", 1, max_nodes)
         return
-    n = _int_in(spec_config, "num_draft_tokens", 1, max_nodes)
+    dynamic_tree_sizes(spec_config)
+
+
+def dynamic_tree_sizes(spec_config) -> dict:
+    """EAGLE-2's tree sizes, checked, defaults filled in: {"num_draft_tokens", "depth", "topk"}. depth is
+    num_speculative_tokens when that is given (the tree drafts that deep), else "depth", else the default."""
+    from minibatch.spec_decode import tree
+    k = spec_config.get("num_speculative_tokens")
+    n = _int_in(spec_config, "num_draft_tokens", 1, tree.MAX_TREE_NODES - 1)
     depth = _int_in(spec_config, "depth", 1, MAX_SPECULATIVE_TOKENS) if "depth" in spec_config or k is None else k
     if k is not None and k != depth:
         raise ValueError(f"num_speculative_tokens ({k}) and depth ({depth}) disagree: a tree drafts depth tokens "
@@ -199,6 +207,7 @@ def check_tree_config(spec_config) -> None:
     if n > grown:
         raise ValueError(f"num_draft_tokens={n} but a tree of depth {depth} and topk {topk} grows only {grown} "
                          f"nodes to choose from")
+    return {"num_draft_tokens": n, "depth": depth, "topk": topk}
 
 
 def tree_settings(spec_config) -> Optional[dict]:
@@ -212,9 +221,7 @@ def tree_settings(spec_config) -> Optional[dict]:
     if kind == "static":
         from minibatch.spec_decode.medusa_tree import load_tree
         return {"choices": load_tree(spec_config.get("num_draft_tokens"))}
-    depth = spec_config.get("depth", spec_config.get("num_speculative_tokens", TREE_DEFAULTS["depth"]))
-    return {"num_draft_tokens": spec_config.get("num_draft_tokens", TREE_DEFAULTS["num_draft_tokens"]),
-            "depth": depth, "topk": spec_config.get("topk", TREE_DEFAULTS["topk"])}
+    return dynamic_tree_sizes(spec_config)
 
 
 def make_proposer(spec_config, target, draft, engine_config):

@@ -11,7 +11,7 @@ from minibatch.spec_decode.tree import chain_parents, check_parents, children, d
 from minibatch.trace import SeqStep, StepTrace
 from minibatch.viz.common import TraceError, as_traces, find_step
 
-TREE_KINDS = {"eagle": "EAGLE-2 dynamic tree", "medusa": "Medusa static tree"}
+TREE_LABELS = {"eagle": "EAGLE-2 dynamic tree", "medusa": "Medusa static tree"}
 
 
 def token_label(tok) -> str:
@@ -27,7 +27,7 @@ def tree_label(method, chain: bool = False) -> str:
     """'EAGLE-2 dynamic tree', 'Medusa static tree', ... from the trace's speculative method."""
     if chain:
         return "a chain" + (f" ({method})" if method else "")
-    return TREE_KINDS.get(method, f"token tree ({method})" if method else "token tree")
+    return TREE_LABELS.get(method, f"token tree ({method})" if method else "token tree")
 
 
 def tree_steps(traces) -> list:
