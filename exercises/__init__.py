@@ -299,7 +299,7 @@ def call_student(name: str, *args, **kwargs):
         raise RuntimeError(f"exercises/{p.stem}.py hands the call back to {p.module}.{p.reference_of(func)}, which "
                            f"in the student release is your own {func}: write it")
     if kwargs:                                 # what the engine passes beyond the exercise's own signature
-        from minibatch.kv.backends import check_accepts
+        from minibatch.kv.checks import check_accepts
         check_accepts(fn, list(kwargs), f"your {func} (exercises/{p.stem}.py)")
     return fn(*args, **kwargs)
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.kv import backends
+from minibatch.kv import backends, checks
 from minibatch.kv.kv_cache import KVCache, block_table_tensor, slot_mapping as _slot_mapping
 from minibatch.spec_decode import tree      # tree.mask_bits / positions looked up per call: an exercise patches them
 
@@ -140,8 +140,8 @@ class PagedAttention:
         self.debug = DEBUG_CHECKS if debug is None else bool(debug)
         if self.debug or metadata.block_tables.device != kv_cache.device:
             T = metadata.slot_mapping.shape[0]
-            backends.check_metadata(metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                                    kv_cache.num_blocks, kv_cache.block_size, T, kv_cache.device, "PagedAttention")
+            checks.check_metadata(metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                                  kv_cache.num_blocks, kv_cache.block_size, T, kv_cache.device, "PagedAttention")
             if metadata.slot_mapping.device != kv_cache.device:
                 raise ValueError(f"PagedAttention: slot_mapping is on {metadata.slot_mapping.device}, "
                                  f"the cache on {kv_cache.device}")
@@ -154,7 +154,7 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, md = self.kv_cache, self.metadata
         if self.debug:
-            backends.check_layer_inputs(c, md, q, k, v)
+            checks.check_layer_inputs(c, md, q, k, v)
         key_cache, value_cache = c.key_cache(layer_idx), c.value_cache(layer_idx)
         self._store(k, v, key_cache, value_cache, md.slot_mapping)        # 1) this step's K/V into their slots
         return self._attend(q, key_cache, value_cache, md, c.head_dim ** -0.5)   # 2) attend
