@@ -11,6 +11,8 @@ def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
     assert "static" in out and "continuous" in out
     assert re.search(r"continuous / static throughput: \d+\.\d\dx", out)
     assert "greedy outputs identical: True" in out
+    assert re.search(r"slot-model bound \d+\.\d\dx \(measured = \d+\.\d\d of it\); with the longest request's "
+                     r"critical path \d+\.\d\dx", out)
 
 
 def test_bench_speculative_prints_one_row_per_method_and_k(capsys):

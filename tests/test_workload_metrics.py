@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from minibatch.engine.outputs import RequestMetrics
-from minibatch.bench.metrics import add_ratio_row, format_table, percentiles, summarize
+from minibatch.bench.metrics import (add_ratio_row, critical_path_bound, format_table, percentiles, slot_bound,
+                                     summarize)
 from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import SeqStep, StepTrace
 from minibatch.bench.workload import PREAMBLE, WORKLOADS, WorkloadRequest, describe, make_workload
@@ -219,3 +220,21 @@ def test_format_table():
         format_table(rows, ratio=("continuous", "paged"))
     with pytest.raises(ValueError):
         format_table({})
+
+
+def test_slot_and_critical_path_bounds():
+    # two batches of two: static runs 6 + 2 steps; continuous keeps both slots busy: (6+1+1+2)/2 = 5 steps,
+    # but the 6-token request alone needs 6
+    lens = [6, 1, 1, 2]
+    assert slot_bound(lens, 2) == (6 + 2) * 2 / 10
+    assert critical_path_bound(lens, 2) == (6 + 2) / 6
+    # many short requests: the critical path does not bind, and the two bounds agree up to rounding
+    lens = [4, 1] * 8
+    assert critical_path_bound(lens, 2) == 8 * 4 / 20 == slot_bound(lens, 2)
+    # a single slot: static is already continuous
+    assert slot_bound([3, 5, 2], 1) == critical_path_bound([3, 5, 2], 1) == 1.0
+    for bad in (([], 2), ([3, 0], 2), ([3], 0)):
+        with pytest.raises(ValueError, match="need output lengths"):
+            slot_bound(*bad)
+        with pytest.raises(ValueError, match="need output lengths"):
+            critical_path_bound(*bad)

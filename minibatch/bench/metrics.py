@@ -103,6 +103,34 @@ DEFAULT_COLUMNS = ["num_requests", "wall_time", "output_tokens_per_s", "requests
                    "tokens_per_verify_step", "expected_tokens_per_verify_step"]
 
 
+def slot_bound(max_tokens: list, slots: int) -> float:
+    """The slot model's continuous/static ratio: (sum over static batches of the longest member x slots) /
+    sum of output tokens. It counts steps as if every step cost the same and continuous batching kept every
+    slot busy to the end; requests batched in arrival order, ``slots`` at a time, as the static scheduler does."""
+    _check_lengths(max_tokens, slots)
+    return _static_steps(max_tokens, slots) * slots / sum(max_tokens)
+
+
+def critical_path_bound(max_tokens: list, slots: int) -> float:
+    """The slot model's ratio with the longest request's critical path: continuous batching still needs at least
+    max(longest, ceil(sum / slots)) decode steps, since one request decodes one token a step. Where a workload's
+    longest request is long against sum / slots (few requests, a long tail), this bound, not ``slot_bound``,
+    is what any scheduler can reach."""
+    _check_lengths(max_tokens, slots)
+    floor = max(max(max_tokens), -(-sum(max_tokens) // slots))
+    return _static_steps(max_tokens, slots) / floor
+
+
+def _static_steps(max_tokens: list, slots: int) -> int:
+    return sum(max(max_tokens[s:s + slots]) for s in range(0, len(max_tokens), slots))
+
+
+def _check_lengths(max_tokens: list, slots: int) -> None:
+    if not max_tokens or any(n < 1 for n in max_tokens) or slots < 1:
+        raise ValueError(f"need output lengths >= 1 and slots >= 1, got {len(max_tokens)} lengths "
+                         f"(min {min(max_tokens, default=None)}) and slots={slots}")
+
+
 def add_ratio_row(rows: dict, a: str, b: str) -> dict:
     """rows plus a row "a/b" holding a's value over b's for every numeric column both have."""
     for name in (a, b):

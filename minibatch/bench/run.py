@@ -20,7 +20,7 @@ import time
 import torch
 
 from minibatch.engine.llm import LLM
-from minibatch.bench.metrics import format_table, summarize
+from minibatch.bench.metrics import critical_path_bound, format_table, slot_bound, summarize
 from minibatch.trace import TraceRecorder
 from minibatch.model.weights import load_model
 from minibatch.bench.workload import describe, make_workload
@@ -70,6 +70,11 @@ def bench_batching(args) -> None:
     print(f"\ncontinuous / static throughput: {ratio:.2f}x; mean occupancy "
           f"{rows['static']['mean_occupancy']:.0%} (static) vs {rows['continuous']['mean_occupancy']:.0%} "
           f"(continuous); greedy outputs identical: {same}")
+    if args.arrival == "offline":               # the bounds assume everyone waits at t = 0
+        lens, slots = [r.max_tokens for r in wl], args.max_num_seqs
+        bound, cp = slot_bound(lens, slots), critical_path_bound(lens, slots)
+        print(f"slot-model bound {bound:.2f}x (measured = {ratio / bound:.2f} of it); with the longest request's "
+              f"critical path {cp:.2f}x (sum over static batches of the longest / max(longest, sum / slots) steps)")
 
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
