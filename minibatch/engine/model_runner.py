@@ -65,7 +65,7 @@ class ModelRunner:
         self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
         self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute(self, out) -> ModelRunnerOutput:
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)

@@ -40,7 +40,7 @@ class DraftModelProposer(Proposer):
             self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
         return self.generators.get(seq.seq_id)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
         todo = {s.seq_id: (s, proposal_budget(s, self.k)) for s in seqs}
         todo = {sid: v for sid, v in todo.items() if v[1] > 0}

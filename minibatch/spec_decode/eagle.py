@@ -77,7 +77,7 @@ class EagleProposer(Proposer):
             self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
         return self.generators.get(seq.seq_id)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, seqs, runner_output, scheduler_output) -> None:
         feats, qsl = runner_output.hidden_states["final"], runner_output.query_start_loc    # [T, C], [B+1]
         zero = feats.new_zeros(feats.shape[-1])

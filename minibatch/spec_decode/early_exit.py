@@ -109,7 +109,7 @@ class EarlyExitProposer(Proposer):
             self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
         return self.generators.get(seq.seq_id)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
         self.state.clear()                # the scratch blocks are handed out afresh: the last call's K/V go
         todo = [(s, proposal_budget(s, self.k)) for s in seqs]

@@ -82,7 +82,7 @@ class MedusaProposer(Proposer):
         top = self.logits(h).topk(self.top_r, dim=-1).indices                        # [k, B, r]
         return top[self.node_head, :, self.node_rank].t()                            # [N, B] -> [B, N]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, seqs, runner_output, scheduler_output) -> None:
         rows = hidden_rows(seqs, runner_output, scheduler_output)
         todo = [(s, proposal_budget(s, self.k)) for s in seqs if s.seq_id in rows]
