@@ -20,14 +20,15 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
 
     For n = n_max down to n_min (longer matches first: they predict better):
       * the pattern is the last n tokens;
-      * find its most recent *earlier* occurrence: a start index s < len - n with
+      * find its *earliest* occurrence: the smallest start index s < len - n with
         token_ids[s:s+n] == pattern (the trailing n-gram itself does not count, but an
-        earlier occurrence may overlap it);
+        earlier occurrence may overlap it). The earliest, as vLLM and Hugging Face take it:
+        in repetitive text the most recent one sits just before the end, so little follows it;
       * if found, return the up to k tokens that followed it, token_ids[s+n : s+n+k]
         (fewer than k when the context ends first).
     n never exceeds len(token_ids) - 1. k == 0 -> []. Token ids are any ints (bytes: 0..255),
     not digits; compare them as ints. ``token_ids`` is the sequence itself: read it, never change it.
 
-    Hints: plain Python lists and slices are all you need. Scan s downwards from len - n - 1.
+    Hints: plain Python lists and slices are all you need. Scan s upwards from 0.
     """
     raise NotImplementedError("Exercise 5: ngram_propose (exercises/ex5_ngram.py)")

@@ -14,8 +14,9 @@ from minibatch.spec_decode.stats import SpecStats, expected_speedup, expected_to
 
 # (tokens, k, n_max, n_min, expected proposal)
 NGRAM_CASES = {
-    "most recent match wins": ([1, 2, 9, 1, 2, 7, 5, 1, 2], 2, 2, 1, [7, 5]),
-    "longest n first": ([4, 1, 2, 8, 9, 1, 2, 6, 0, 4, 1, 2], 2, 3, 1, [8, 9]),
+    "earliest match wins": ([1, 2, 9, 1, 2, 7, 5, 1, 2], 2, 2, 1, [9, 1]),
+    "earliest match: k tokens even in a run": ([0, 0, 0, 0, 0, 0], 4, 3, 1, [0, 0, 0]),
+    "longest n first": ([1, 2, 6, 0, 4, 1, 2, 8, 9, 4, 1, 2], 2, 3, 1, [8, 9]),
     "falls back to shorter n": ([3, 1, 7, 5, 1], 2, 3, 1, [7, 5]),
     "no match": ([1, 2, 3, 4], 3, 3, 1, []),
     "truncated at k": ([1, 2, 3, 4, 5, 1], 3, 2, 1, [2, 3, 4]),
@@ -39,7 +40,7 @@ def test_ngram_cases(case):
 
 @settings(max_examples=150, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), max_size=30), k=st.integers(0, 5), n_max=st.integers(1, 4))
-def test_ngram_proposal_follows_the_latest_longest_earlier_match(tokens, k, n_max):
+def test_ngram_proposal_follows_the_earliest_longest_match(tokens, k, n_max):
     got = ngram_propose(tokens, k, n_max, 1)
     L = len(tokens)
     matches = [(n, s) for n in range(1, min(n_max, L - 1) + 1) for s in range(L - n)
@@ -47,7 +48,7 @@ def test_ngram_proposal_follows_the_latest_longest_earlier_match(tokens, k, n_ma
     if not matches or k == 0:
         assert got == []
         return
-    n, s = max(matches)                                  # the longest n, then the latest start
+    n, s = max(matches, key=lambda m: (m[0], -m[1]))     # the longest n, then the earliest start
     assert got == tokens[s + n:s + n + k]
     assert 1 <= len(got) <= k
 

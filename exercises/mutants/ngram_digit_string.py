@@ -8,7 +8,7 @@ def ngram_propose(token_ids, k, n_max=3, n_min=1):
     if k == 0:
         return []
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        start = text.rfind(text[L - n:], 0, L - 1)            # most recent earlier occurrence (may overlap)
+        start = text.find(text[L - n:], 0, L - 1)             # earliest occurrence before the end (may overlap)
         if start != -1:
             return [int(c) for c in text[start + n:start + n + k]]
     return []

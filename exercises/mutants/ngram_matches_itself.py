@@ -6,7 +6,7 @@ def ngram_propose(token_ids, k, n_max=3, n_min=1):
     if k == 0:
         return []
     for n in range(min(n_max, L), n_min - 1, -1):
-        for start in range(L - n, -1, -1):                    # BUG: start = L - n is the pattern itself
+        for start in range(L - n + 1):                        # BUG: start = L - n is the pattern itself
             if tokens[start:start + n] == tokens[L - n:]:
                 return tokens[start + n:start + n + k]
     return []

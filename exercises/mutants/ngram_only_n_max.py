@@ -8,7 +8,7 @@ def ngram_propose(token_ids, k, n_max=3, n_min=1):
     n = min(n_max, L - 1)                                     # BUG: should loop n down to n_min
     if n < n_min:
         return []
-    for start in range(L - n - 1, -1, -1):
+    for start in range(L - n):
         if tokens[start:start + n] == tokens[L - n:]:
             return tokens[start + n:start + n + k]
     return []

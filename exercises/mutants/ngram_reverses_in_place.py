@@ -1,5 +1,5 @@
-"""Mutant (exercise 5): reverses the caller's list in place to scan from the end (list.reverse() returns
-None and changes the list: the engine's sequence is now backwards)."""
+"""Mutant (exercise 5): reverses the caller's list in place on its way to a reversed copy (list.reverse()
+returns None and changes the list: the engine's sequence is now backwards)."""
 
 
 def ngram_propose(token_ids, k, n_max=3, n_min=1):
@@ -7,11 +7,9 @@ def ngram_propose(token_ids, k, n_max=3, n_min=1):
     if k == 0:
         return []
     token_ids.reverse()                                       # BUG: the caller's list, reversed for good
-    rev = token_ids                                           # rev[j] is token L - 1 - j
+    tokens = token_ids[::-1]                                  # ... to read it forwards again from a copy
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        pattern = rev[:n]
-        for r in range(1, L - n + 1):                         # an earlier occurrence ends at token L - 1 - r
-            if rev[r:r + n] == pattern:
-                follow = rev[max(0, r - k):r]
-                return follow[::-1]
+        for start in range(L - n):
+            if tokens[start:start + n] == tokens[L - n:]:
+                return tokens[start + n:start + n + k]
     return []

@@ -10,7 +10,7 @@ def ngram_propose(token_ids, k, n_max=3, n_min=1):
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         pattern = ",".join(str(t) for t in tokens[L - n:])
         trailing = len(text) - len(pattern)                   # where the trailing n-gram starts in the text
-        at = text.rfind(pattern, 0, trailing + len(pattern) - 1)
+        at = text.find(pattern, 0, trailing + len(pattern) - 1)
         if at != -1:
             start = text[:at].count(",")                      # BUG: no check that the hit starts at a token
             return tokens[start + n:start + n + k]
