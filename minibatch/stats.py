@@ -7,6 +7,9 @@ definition. What it counts, per run:
 * batch use: steps, tokens per step, occupancy (the share of the ``max_num_seqs``
   slots doing useful work; a static batch's finished members hold a slot and compute
   a thrown-away padding token, Orca §3) and the padding share;
+* where the time went: steps that carry prompt tokens (a prefill, a chunk, a resumed
+  sequence) and steps that only decode, each with its count and seconds. The slot model of
+  batching counts decode steps only, so this split is what a comparison with it needs;
 * the KV cache: the share of blocks in use (mean, peak), the prefix-cache hit rate
   (full blocks reused / full blocks looked up), preemptions;
 * speculative decoding: drafts proposed and accepted, the acceptance rate α, the verify
@@ -62,6 +65,10 @@ def run_stats(traces) -> dict:
          "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
                                    if last.prefix_cache_queries else None),
          "preemptions": sum(len(t.preempted) for t in traces)}
+    with_prompt = [t for t in traces if any(x.phase != "decode" for x in t.scheduled)]
+    s.update(prefill_steps=len(with_prompt), prefill_step_time=sum(t.duration for t in with_prompt),
+             decode_only_steps=len(traces) - len(with_prompt),
+             decode_only_time=sum(t.duration for t in traces) - sum(t.duration for t in with_prompt))
     decode = [x for t in traces for x in t.scheduled if x.phase == "decode"]
     s["tokens_per_decode_forward"] = (sum(len(x.new_token_ids) for x in decode) / len(decode)) if decode else None
     spec = spec_stats(traces)

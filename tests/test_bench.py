@@ -6,10 +6,16 @@ from minibatch import bench
 
 
 def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
-    bench.main(["batching", "--num-requests", "6", "--max-num-seqs", "3"])
+    bench.main(["batching", "--num-requests", "6", "--max-num-seqs", "3", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "static" in out and "continuous" in out
-    assert re.search(r"continuous / static throughput: \d+\.\d\dx", out)
+    assert re.search(r"continuous / static throughput: \d+\.\d\dx \(best round of each side of 2; per-round "
+                     r"(\d+\.\d\d)-(\d+\.\d\d)\)", out)
+    for name in ("static", "continuous"):          # steps = steps with prompt tokens + decode-only steps
+        steps, with_prompt, decode_only = map(int, re.search(
+            rf"^  {name} +(\d+) +(\d+) in +\d+\.\d\d s +(\d+) in +\d+\.\d\d s +\d+\.\d\d$", out, re.M).groups())
+        assert steps == with_prompt + decode_only and with_prompt >= 1 and decode_only >= 1
+    assert re.search(r"decode-only time, static / continuous: \d+\.\d\dx", out)
     assert "greedy outputs identical: True" in out
     assert re.search(r"slot-model bound \d+\.\d\dx \(measured = \d+\.\d\d of it\); with the longest request's "
                      r"critical path \d+\.\d\dx", out)

@@ -181,6 +181,17 @@ def test_summarize_traces():
     assert no_lookups["prefix_cache_hit_rate"] is None
 
 
+def test_summarize_splits_steps_with_prompt_tokens_from_decode_only_steps():
+    traces = [trace(i, 2, 0, 5, 0, 0) for i in range(4)]
+    for t, d in zip(traces, (0.5, 0.25, 0.125, 2.0)):
+        t.duration = d
+    traces[0].scheduled[1].phase = "prefill"                 # one prefill row beside a decode: a prompt step
+    traces[3].scheduled[0].phase = "resumed"                 # a preempted sequence recomputing: a prompt step too
+    s = summarize(hand_metrics(), traces)
+    assert (s["prefill_steps"], s["decode_only_steps"]) == (2, 2)
+    assert s["prefill_step_time"] == pytest.approx(2.5) and s["decode_only_time"] == pytest.approx(0.375)
+
+
 def test_summarize_speculative_traces():
     traces = [trace(0, 3, 0, 5, 0, 0, spec=[(3, 2), (3, 3), (0, 0)]), trace(1, 1, 0, 5, 0, 0, spec=[(2, 0)])]
     s = summarize(hand_metrics(), traces)

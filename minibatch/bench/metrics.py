@@ -84,7 +84,8 @@ def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[
 def _from_traces(traces: list) -> dict:
     keep = ("num_steps", "mean_occupancy", "mean_padding_share", "mean_tokens_per_step", "kv_usage_mean",
             "kv_usage_peak", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted", "acceptance_rate",
-            "tokens_per_verify_step", "expected_tokens_per_verify_step")
+            "tokens_per_verify_step", "expected_tokens_per_verify_step", "prefill_steps", "prefill_step_time",
+            "decode_only_steps", "decode_only_time")
     return {k: v for k, v in run_stats(traces).items() if k in keep}
 
 
