@@ -15,9 +15,11 @@ def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
         steps, with_prompt, decode_only = map(int, re.search(
             rf"^  {name} +(\d+) +(\d+) in +\d+\.\d\d s +(\d+) in +\d+\.\d\d s +\d+\.\d\d$", out, re.M).groups())
         assert steps == with_prompt + decode_only and with_prompt >= 1 and decode_only >= 1
-    assert re.search(r"decode-only time, static / continuous: \d+\.\d\dx", out)
+    assert re.search(r"steps with prompt tokens are \d+% of static's wall time and \d+% of continuous's; the same "
+                     r"prompt work \(\d+\.\d\d s, static's\) taken out of both: \d+\.\d\dx", out)
     assert "greedy outputs identical: True" in out
-    assert re.search(r"slot-model bound \d+\.\d\dx \(measured = \d+\.\d\d of it\); with the longest request's "
+    assert re.search(r"slot-model bound \d+\.\d\dx \(measured = \d+\.\d\d of it; \d+\.\d\d without the prompt work\); "
+                     r"with the longest request's "
                      r"critical path \d+\.\d\dx", out)
 
 
