@@ -4,8 +4,8 @@ KV cache manager for the prefix cache).
 The KV cache is a pool of ``num_blocks`` blocks of ``block_size`` token slots. The allocator decides which
 physical block each sequence's logical blocks live in (its **block table**), counts how many tables hold each
 block (its **ref count**), and keeps the blocks nobody holds in a **free queue**. You write the policy:
-``BlockAllocatorBase`` (in ``minibatch/kv/block_allocator.py``, read it first) gives you the state and
-everything that only reads it:
+``BlockAllocatorBase`` (in ``minibatch/kv/block_pool.py``; read ``minibatch/kv/block_allocator.py``'s
+docstring first) gives you the state and everything that only reads it:
 
     self._ref[b]        ref count of block b (how many block tables hold it)
     self._free          the free queue: an OrderedDict used as an ordered set of block ids, front = taken
