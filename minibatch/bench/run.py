@@ -154,6 +154,8 @@ def main(argv=None):
                     help="timed rounds, alternating the two sides, best of each kept (batching: static and "
                          "continuous; speculative: plain and each row)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     with torch.no_grad():                      # inference only; the caller's grad mode comes back after
         if args.which == "batching":
             bench_batching(args)
