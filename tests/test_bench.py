@@ -18,6 +18,7 @@ def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
     assert re.search(r"steps with prompt tokens are \d+% of static's wall time and \d+% of continuous's; the same "
                      r"prompt work \(\d+\.\d\d s, static's\) taken out of both: \d+\.\d\dx", out)
     assert "greedy outputs identical: True" in out
+    assert re.search(r"in steps, as the slot model counts: static / continuous = \d+\.\d\dx = \d+\.\d\d of the bound", out)
     assert re.search(r"slot-model bound \d+\.\d\dx \(measured = \d+\.\d\d of it; \d+\.\d\d without the prompt work\); "
                      r"with the longest request's "
                      r"critical path \d+\.\d\dx", out)
