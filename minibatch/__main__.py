@@ -1,10 +1,12 @@
 """Command line:  python -m minibatch generate "def fib(n):" --max-tokens 80
+                 python -m minibatch generate "def fib(n):" --speculative eagle -k 4
                  python -m minibatch demo continuous --out demo.gif
                  python -m minibatch serve --port 8000      (OpenAI-compatible, like `vllm serve`)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -15,7 +17,11 @@ def _generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
-    spec = {"method": args.speculative, "num_speculative_tokens": args.k} if args.speculative else None
+    spec = args.speculative_config
+    if args.speculative:
+        if spec is not None:
+            raise ValueError("give --speculative (with -k) or --speculative-config, not both")
+        spec = {"method": args.speculative, "num_speculative_tokens": args.k}
     try:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec)
         t = time.perf_counter()
@@ -29,6 +35,11 @@ def _generate(args) -> int:
     print(args.prompt + comp.text)
     print(f"# {len(comp.token_ids)} tokens in {dt:.2f} s ({len(comp.token_ids) / dt:.1f} tokens/s), "
           f"finish reason: {comp.finish_reason}", file=sys.stderr)
+    if comp.spec and comp.spec["num_steps"]:
+        print(f"# speculative decoding ({spec['method']}): {comp.spec['accepted']} of {comp.spec['proposed']} drafts "
+              f"accepted (acceptance rate {comp.spec['acceptance_rate']:.2f}), {comp.spec['mean_tokens_per_step']:.2f} "
+              f"tokens per verify step" + ("" if comp.spec["lossless"] else "; typical acceptance: LOSSY"),
+              file=sys.stderr)
     return 0
 
 
@@ -62,8 +73,13 @@ def main(argv=None) -> int:
     g.add_argument("--preset", default="target")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
-    g.add_argument("--speculative", choices=["draft", "ngram"], default=None)
+    from minibatch.spec_decode.proposer import METHODS
+    g.add_argument("--speculative", choices=METHODS, default=None,
+                   help="speculative decoding with this method and -k drafts a step")
     g.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+    g.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, as vLLM takes it, e.g. \'{"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, '
+                        '"depth": 5, "topk": 4}\'')
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree")
     d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), "
                                     "or a saved trace (.json) to replay")
