@@ -1,7 +1,7 @@
 """The lab bench: workloads, run metrics, benchmarks and lecture demos, all driving the public engine API.
 
-    python -m minibatch.bench batching | speculative | attention | kv | peers | online
-    python -m minibatch demo continuous | paged | speculative
+    python -m minibatch.bench batching | speculative | trees | attention | kv | peers | online | serve
+    python -m minibatch demo continuous | static | paged | speculative | tree
 """
 
 
