@@ -48,10 +48,11 @@ computed token.
 Why reuse is the default: it is exact and does strictly less arithmetic. How much less time that is
 depends on what a row costs. On a CPU at batch 1 this small model is half bound by reading its weights,
 so 2 blocks on 4 rows cost about 1.8x what they cost on 1 row, and the second model call costs
-~0.25 ms of its own (the attention metadata and plan, the embedding). Net, the verify saves a median
-0.1-0.5 ms of ~4 ms at batch 1 and ~1 ms at batch 8 with k = 4, which end to end is a few percent, within
-the noise of a shared machine. Where a row costs nothing (a GPU at small batch, bound by kernel launches),
-the extra call could cost more than it saves; that has not been measured.
+~0.25 ms of its own (the attention metadata and plan, the embedding). Measured end to end on a quiet
+2-core CPU (``bench speculative --kv-reuse both``, best of 7 alternating rounds): at batch 1 the extra call
+costs more than it saves (k = 2: 1.14x with reuse, 1.18x recomputing; k = 4: 1.09x, 1.11x), at batch 8 the
+saving wins (k = 2: 1.11x against 1.07x; k = 4: 1.14x against 1.09x). Where a row costs nothing (a GPU at
+small batch, bound by kernel launches), the extra call could cost more than it saves; that has not been measured.
 
 Lossless at any temperature: the draft samples from its own q (the adapter's distribution at the
 request's temperature, top-k, top-p), which the rejection sampler gets with every draft.
