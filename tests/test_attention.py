@@ -37,7 +37,9 @@ CASES = {
     "decode": [(1, 37), (1, 5), (1, 64), (1, 1)],
     "prefill": [(7, 7), (16, 16), (23, 23)],
     "chunked": [(9, 29), (16, 48), (3, 11)],
-    "verify": [(5, 30), (5, 22)],
+    "verify": [(5, 30), (5, 22)],                  # every row in sequences of one q_len: read in place
+    "one chunk": [(9, 29)],
+    "equal chunks": [(4, 4), (4, 19), (4, 33)],
     "mixed": [(1, 37), (23, 23), (9, 29), (5, 30), (1, 1)],
 }
 HEADS = [(4, 4), (8, 2), (8, 1)]          # MHA, GQA, MQA

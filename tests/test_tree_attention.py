@@ -147,6 +147,18 @@ def test_trees_only_many_random_shapes(backend):
         torch.testing.assert_close(out.double(), oracle(md, q, K, V, parents, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["loop", "batched"])
+@pytest.mark.parametrize("sizes", [(9,), (16, 16, 16)], ids=["one tree", "equal trees"])
+def test_trees_of_one_size_fill_the_batch(backend, sizes):
+    """Every row of the step in trees of one size: the batched backend reads the flat rows as [G, Q] in place
+    (no gather or scatter of the query), tree bits included. Different shapes, contexts across block edges."""
+    rng = random.Random(len(sizes))
+    seqs = [(ctx, random_parents(n, rng)) for ctx, n in zip((21, 3, 40), sizes)]
+    md, kc, vc, q, K, V, parents = make_step(seqs, 4, 2, 8, 8, seed=len(sizes))
+    out = attend(backend, md, kc, vc, q, 0.3)
+    torch.testing.assert_close(out.double(), oracle(md, q, K, V, parents, 0.3), atol=1e-5, rtol=1e-5)
+
+
 @needs_kernels
 @pytest.mark.interpreter
 @pytest.mark.parametrize("bs, heads", [(4, (2, 2)), (16, (4, 2))])

@@ -129,7 +129,7 @@ def _buckets(rows: list, lens: list, max_waste: float = 0.3, max_buckets: int = 
 
 def _plan(md, block_size: int, device) -> list:
     """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
-    rows [G, Q] (None: the group is every row, in order, one query each), which of those are real [G, Q],
+    rows [G, Q] (None: the group is every row, in order, the same number of queries each), which of those are real [G, Q],
     and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset, and for tree rows
     (only ever in the rest: a tree of 2+ nodes has q_len > 1; a root alone sees what a decode sees) the tree's."""
     if "batched" in md.plan:
@@ -160,13 +160,16 @@ def _plan(md, block_size: int, device) -> list:
         mask = (j[None, None, :] <= q_pos[:, :, None])[:, None]                      # [G, 1, Q, L]
         if Q == 1 and min(s_lens[b] for b in rows) == L:
             mask = None                                                              # decodes of one length
-        if rows == list(range(len(q_lens))) and Q == 1:
-            q_rows = q_valid = None                                                  # every row, in order
+        if rows == list(range(len(q_lens))) and all(q_lens[b] == Q for b in rows):
+            # every row of the batch, in order, Q queries each (decodes; one sequence's chunk or verify; a batch
+            # verifying k drafts each): the flat [T, H, D] is [G, Q, H, D] already, no gather or scatter
+            q_rows = q_valid = None
         else:
             q_valid = i[None] < ql[:, None]                                          # [G, Q]
             q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
         if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
-            bits = md.tree_bits.to(device)[q_rows]              # [G, Q]; a padding row's is never read
+            bits = md.tree_bits.to(device)                                             # [T]
+            bits = bits.view(len(rows), Q) if q_rows is None else bits[q_rows]         # [G, Q]; padding: never read
             r = j[None] - (sl - ql)[:, None]                                           # [G, L] node index
             bit = (bits[:, :, None] >> r.clamp(0, 63)[:, None, :]) & 1                 # [G, Q, L]
             mask = mask & ((r < 0)[:, None, :] | (bit == 1))[:, None]                  # [G, 1, Q, L]
@@ -188,11 +191,11 @@ def _batched(query, key_cache, value_cache, md, scale):
         G, L = slots.shape                          # (index_select copies rows about 2x faster than x[slots])
         k = flat_k.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)   # [G, Hkv, L, D]
         v = flat_v.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)
-        q = query[:, None] if q_rows is None else query[q_rows]                      # [G, Q, H, D]
+        q = query.view(G, -1, H, D) if q_rows is None else query[q_rows]             # [G, Q, H, D]
         o = F.scaled_dot_product_attention(q.to(dt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=H != Hkv).transpose(1, 2)      # [G, Q, H, D]
         if q_rows is None:
-            return o[:, 0].to(query.dtype)                                           # [T, H, D] already
+            return o.reshape(T, H, D).to(query.dtype)                                # the flat rows, in order
         if out is None:
             out = torch.empty_like(query)
         out[q_rows[q_valid]] = o[q_valid].to(query.dtype)
