@@ -129,9 +129,10 @@ def _buckets(rows: list, lens: list, max_waste: float = 0.3, max_buckets: int = 
 
 def _plan(md, block_size: int, device) -> list:
     """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
-    rows [G, Q] (None: the group is every row, in order, the same number of queries each), which of those are real [G, Q],
-    and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset, and for tree rows
-    (only ever in the rest: a tree of 2+ nodes has q_len > 1; a root alone sees what a decode sees) the tree's."""
+    rows [G, Q] (None: the group is every row, in order, the same number of queries each), which of those are
+    real [G, Q], and the mask [G, 1, Q, L] (None: nothing to mask), causal with each row's context offset, and
+    for tree rows (only ever in the rest: a tree of 2+ nodes has q_len > 1; a root alone sees what a decode
+    sees) the tree's."""
     if "batched" in md.plan:
         return md.plan["batched"]
     q_lens, s_lens = md.query_lens_list, md.seq_lens_list
