@@ -66,9 +66,10 @@ def run_stats(traces) -> dict:
                                    if last.prefix_cache_queries else None),
          "preemptions": sum(len(t.preempted) for t in traces)}
     with_prompt = [t for t in traces if any(x.phase != "decode" for x in t.scheduled)]
-    s.update(prefill_steps=len(with_prompt), prefill_step_time=sum(t.duration for t in with_prompt),
+    prompt_time = sum(t.duration for t in with_prompt)
+    s.update(prefill_steps=len(with_prompt), prefill_step_time=prompt_time,
              decode_only_steps=len(traces) - len(with_prompt),
-             decode_only_time=sum(t.duration for t in traces) - sum(t.duration for t in with_prompt))
+             decode_only_time=sum(t.duration for t in traces) - prompt_time)
     decode = [x for t in traces for x in t.scheduled if x.phase == "decode"]
     s["tokens_per_decode_forward"] = (sum(len(x.new_token_ids) for x in decode) / len(decode)) if decode else None
     spec = spec_stats(traces)
