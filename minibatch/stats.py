@@ -20,6 +20,15 @@ definition. What it counts, per run:
   position (position i judged only when 1 .. i-1 were accepted; ``SpecStats.acceptance_by_position``).
   ``tokens_per_decode_forward`` counts every decode step of a sequence, with drafts or without (a
   proposer may find none), so it is what speculation bought per target forward over the whole run.
+
+Two clocks. ``clock="wall"`` reads each step's measured ``duration`` (this machine); ``clock="simulated"``
+reads its ``simulated_duration`` (``EngineConfig.simulate``: the step re-timed by ``minibatch.perf`` on a
+GPU and a model we do not have). Every figure with seconds in it takes the clock, and says which
+(``"clock"`` in the dicts). Per request (``request_stats``), on either clock, from the traces alone:
+
+    TTFT = end of the step that gave its first token - arrival;  e2e = end of its last step - arrival;
+    TPOT = (e2e - TTFT) / (output tokens - 1);  goodput = requests/s meeting TTFT <= slo["ttft"] and
+    TPOT <= slo["tpot"] (DistServe, Zhong et al., OSDI 2024, Sec. 2: SLO attainment x request rate).
 """
 from __future__ import annotations
 
@@ -43,11 +52,69 @@ def spec_stats(traces) -> SpecStats:
     return spec
 
 
-def run_stats(traces) -> dict:
+CLOCKS = ("wall", "simulated")
+
+
+def step_times(traces, clock: str = "wall") -> list:
+    """[(start, duration)] of each step on the clock: the engine's measured time or the simulated one."""
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown clock {clock!r}; choose one of {list(CLOCKS)}")
+    if clock == "wall":
+        return [(t.time, t.duration) for t in traces]
+    if any(t.simulated_duration is None for t in traces):
+        raise ValueError("clock='simulated' needs traces with simulated_duration: run the engine with "
+                         "simulate='HARDWARE:MODEL' (EngineConfig.simulate)")
+    return [(t.simulated_time, t.simulated_duration) for t in traces]
+
+
+def request_stats(traces, clock: str = "wall", arrivals: dict | None = None, slo: dict | None = None) -> dict:
+    """Throughput, TTFT / TPOT / e2e percentiles and goodput on one clock, from the traces.
+
+    arrivals: request id -> arrival on the same clock (seconds since the engine started; missing: 0, an
+    offline run). slo: {"ttft": s, "tpot": s} for goodput and SLO attainment."""
+    from minibatch.bench.metrics import percentiles          # the one percentile definition
+    traces, arrivals = list(traces), dict(arrivals or {})
+    times = step_times(traces, clock)
+    first, last, n_out, seqs, finished = {}, {}, {}, {}, set()
+    for t, (start, dur) in zip(traces, times):
+        for x in t.scheduled:
+            if x.new_token_ids:
+                first.setdefault(x.request_id, start + dur)
+                n_out[x.request_id] = n_out.get(x.request_id, 0) + len(x.new_token_ids)
+            last[x.request_id] = start + dur
+            seqs.setdefault(x.request_id, set()).add(x.seq_id)
+        finished.update(t.finished)
+    done = {rid for rid, ss in seqs.items() if ss <= finished}      # n > 1: when every sequence is
+    ttft, tpot, e2e, good = {}, {}, {}, 0
+    for rid in first:
+        arr = arrivals.get(rid, 0.0)
+        ttft[rid], e2e[rid] = first[rid] - arr, last[rid] - arr
+        if n_out[rid] > 1:
+            tpot[rid] = (last[rid] - first[rid]) / (n_out[rid] - 1)
+    span = (max(s + d for s, d in times) - min([0.0, *arrivals.values()])) if times else 0.0
+    out = {"clock": clock, "num_finished": len(done), "output_tokens": sum(n_out.values()), "total_time": span,
+           "output_tokens_per_s": sum(n_out.values()) / span if span > 0 else None,
+           "requests_per_s": len(done) / span if span > 0 else None}
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for p, v in percentiles(list(vals.values())).items():
+            out[f"{name}_{p}"] = v
+    if slo is not None:
+        bad = set(slo) - {"ttft", "tpot"}
+        if bad or not slo:
+            raise ValueError(f"slo takes keys 'ttft' and/or 'tpot' (seconds), got {sorted(slo)}")
+        good = sum(1 for rid in done if rid in ttft and ttft[rid] <= slo.get("ttft", float("inf"))
+                   and tpot.get(rid, 0.0) <= slo.get("tpot", float("inf")))
+        out.update(slo_attainment=good / len(done) if done else None,
+                   goodput=good / span if span > 0 else None)
+    return out
+
+
+def run_stats(traces, clock: str = "wall") -> dict:
     """One flat dict of the figures above (None where a run has nothing to say, e.g. no speculation)."""
     traces = list(traces)
     if not traces:
         return {"num_steps": 0}
+    durations = [d for _, d in step_times(traces, clock)]
     used = [(t.num_blocks - t.num_free_blocks) / t.num_blocks for t in traces]
     last = traces[-1]                               # hits and queries are cumulative: the last trace has the totals
     useful = sum(len(t.scheduled) for t in traces)
@@ -64,12 +131,12 @@ def run_stats(traces) -> dict:
          "prefix_cache_hits": last.prefix_cache_hits, "prefix_cache_queries": last.prefix_cache_queries,
          "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
                                    if last.prefix_cache_queries else None),
-         "preemptions": sum(len(t.preempted) for t in traces)}
-    with_prompt = [t for t in traces if any(x.phase != "decode" for x in t.scheduled)]
-    prompt_time = sum(t.duration for t in with_prompt)
+         "preemptions": sum(len(t.preempted) for t in traces), "clock": clock, "step_time": sum(durations)}
+    with_prompt = [d for t, d in zip(traces, durations) if any(x.phase != "decode" for x in t.scheduled)]
+    prompt_time = sum(with_prompt)
     s.update(prefill_steps=len(with_prompt), prefill_step_time=prompt_time,
              decode_only_steps=len(traces) - len(with_prompt),
-             decode_only_time=sum(t.duration for t in traces) - prompt_time)
+             decode_only_time=sum(durations) - prompt_time)
     decode = [x for t in traces for x in t.scheduled if x.phase == "decode"]
     s["tokens_per_decode_forward"] = (sum(len(x.new_token_ids) for x in decode) / len(decode)) if decode else None
     spec = spec_stats(traces)

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from minibatch.spec_decode.tree import depths
+
 PHASES = ("prefill", "decode", "resumed")
 
 
@@ -76,6 +78,10 @@ class StepTrace:
     num_speculative_tokens: int = 0            # its k
     propose_duration: float = 0.0              # seconds of ``duration`` the proposer took (drafting for the next step)
     note: Optional[str] = None
+    drafted: list = field(default_factory=list)        # what the proposer drafted after this step, per sequence:
+                                                       # [drafts, depth (a chain: = drafts), context] (perf/cost.py)
+    simulated_time: Optional[float] = None     # EngineConfig.simulate: the simulated clock at the step's start (s)
+    simulated_duration: Optional[float] = None # ... and the step's duration on it (minibatch/perf/cost.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,4 +151,10 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
         speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-        propose_duration=propose_duration)
+        propose_duration=propose_duration, drafted=_drafted(sched.running))
+
+
+def _drafted(running) -> list:
+    """[drafts, depth, context] of each running sequence holding drafts for the next step."""
+    return [[len(s.spec_token_ids), max(depths(s.spec_parents)) if s.spec_parents else len(s.spec_token_ids),
+             s.num_computed_tokens] for s in running if s.spec_token_ids]

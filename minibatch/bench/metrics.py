@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from minibatch.engine.outputs import RequestMetrics
-from minibatch.stats import run_stats
+from minibatch.stats import request_stats, run_stats
 from minibatch.trace import StepTrace
 
 
@@ -48,11 +48,17 @@ def percentiles(xs, ps=(50, 90, 99)) -> dict:
     return {f"p{p:g}": float(v) for p, v in zip(ps, vals)}
 
 
-def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[float] = None) -> dict:
+def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[float] = None,
+              clock: str = "wall", arrivals: Optional[dict] = None) -> dict:
     """One flat dict per run: request counts, throughput, latency percentiles; batch and cache use from traces.
 
     wall_time: the run's duration in seconds; if None, from the first arrival to the last finish.
+    clock="simulated": every figure with seconds in it comes from the traces' ``simulated_duration``
+    (``minibatch.stats.request_stats``; arrivals: request id -> arrival on that clock), and ``wall_time``
+    is the simulated run's length. The dict says which clock (``"clock"``).
     """
+    if clock == "simulated":
+        return _summarize_simulated(list(metrics), list(traces or []), arrivals)
     metrics, traces = list(metrics), list(traces or [])
     if any(not isinstance(m, RequestMetrics) for m in metrics):
         raise TypeError("summarize needs a list of RequestMetrics")
@@ -78,15 +84,49 @@ def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[
     s["preemptions"] = sum(len(t.preempted) for t in traces) if traces else sum(m.num_preemptions for m in metrics)
     if traces:
         s.update(_from_traces(traces))
+    s["clock"] = "wall"
     return s
 
 
-def _from_traces(traces: list) -> dict:
+def _summarize_simulated(metrics: list, traces: list, arrivals: Optional[dict]) -> dict:
+    if not traces or any(not isinstance(t, StepTrace) for t in traces):
+        raise TypeError("clock='simulated' needs the run's StepTrace list")
+    r = request_stats(traces, "simulated", arrivals)
+    s = {"num_requests": len(metrics), "num_finished": r["num_finished"],
+         "prompt_tokens": sum(m.num_prompt_tokens for m in metrics), "output_tokens": r["output_tokens"],
+         "cached_prompt_tokens": sum(m.num_cached_tokens for m in metrics), "wall_time": r["total_time"],
+         "output_tokens_per_s": r["output_tokens_per_s"], "requests_per_s": r["requests_per_s"]}
+    s.update({k: v for k, v in r.items() if k.split("_")[0] in ("ttft", "tpot", "e2e")})
+    s["preemptions"] = sum(len(t.preempted) for t in traces)
+    s.update(_from_traces(traces, "simulated"))
+    s["clock"] = "simulated"
+    return s
+
+
+def fcfs_schedule_steps(max_tokens: list, slots: int) -> int:
+    """Decode steps of the ideal FCFS slot schedule: each length, in arrival order, goes to the slot that frees
+    first (a greedy packing into ``slots`` slots), one token per slot per step, the drain included: the run
+    ends when the last slot empties. The slot model's bound ignores that drain (it divides by sum / slots)."""
+    import heapq
+    _check_lengths(max_tokens, slots)
+    free = [0] * min(slots, len(max_tokens))          # the step at which each slot next frees
+    for n in max_tokens:
+        heapq.heappush(free, heapq.heappop(free) + n)
+    return max(free)
+
+
+def fcfs_bound(max_tokens: list, slots: int) -> float:
+    """Static batching's decode steps over the ideal FCFS slot schedule's: what continuous batching can reach on
+    these lengths with its drain counted, in steps (each step costing the same)."""
+    return static_steps(max_tokens, slots) / fcfs_schedule_steps(max_tokens, slots)
+
+
+def _from_traces(traces: list, clock: str = "wall") -> dict:
     keep = ("num_steps", "mean_occupancy", "mean_padding_share", "mean_tokens_per_step", "kv_usage_mean",
             "kv_usage_peak", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted", "acceptance_rate",
             "tokens_per_verify_step", "expected_tokens_per_verify_step", "prefill_steps", "prefill_step_time",
             "decode_only_steps", "decode_only_time")
-    return {k: v for k, v in run_stats(traces).items() if k in keep}
+    return {k: v for k, v in run_stats(traces, clock).items() if k in keep}
 
 
 # -- a text table, one row per run --------------------------------------------------------------------------------
@@ -109,7 +149,7 @@ def slot_bound(max_tokens: list, slots: int) -> float:
     sum of output tokens. It counts steps as if every step cost the same and continuous batching kept every
     slot busy to the end; requests batched in arrival order, ``slots`` at a time, as the static scheduler does."""
     _check_lengths(max_tokens, slots)
-    return _static_steps(max_tokens, slots) * slots / sum(max_tokens)
+    return static_steps(max_tokens, slots) * slots / sum(max_tokens)
 
 
 def critical_path_bound(max_tokens: list, slots: int) -> float:
@@ -119,10 +159,11 @@ def critical_path_bound(max_tokens: list, slots: int) -> float:
     is what any scheduler can reach."""
     _check_lengths(max_tokens, slots)
     floor = max(max(max_tokens), -(-sum(max_tokens) // slots))
-    return _static_steps(max_tokens, slots) / floor
+    return static_steps(max_tokens, slots) / floor
 
 
-def _static_steps(max_tokens: list, slots: int) -> int:
+def static_steps(max_tokens: list, slots: int) -> int:
+    """Static batching's decode steps: each batch of ``slots`` requests, in arrival order, runs its longest."""
     return sum(max(max_tokens[s:s + slots]) for s in range(0, len(max_tokens), slots))
 
 
@@ -179,4 +220,8 @@ def format_table(rows: dict, columns: Optional[list] = None, ratio: Optional[tup
     lines.append("-" * len(lines[0]))
     for name, row in zip(names, cells):
         lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    clocks = sorted({str(r["clock"]) for r in rows.values() if r.get("clock")})
+    if clocks:                          # every table says which clock its seconds are on
+        lines.insert(0, f"clock: {' + '.join(clocks)}" + (" (simulated: minibatch.perf's cost model, not measured)"
+                                                         if "simulated" in clocks else " (measured on this machine)"))
     return "\n".join(lines)

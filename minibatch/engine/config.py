@@ -31,6 +31,9 @@ class EngineConfig:
     order: str = "decode-first"                # or "prefill-first"
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
+    simulate: Optional[str] = None             # "h100:llama-3-8b": also time every step on that hardware and model,
+                                               # a simulated clock (minibatch/perf); the KV pool gets its budget
+    gpu_memory_utilization: float = 0.9        # simulate: the share of device memory for weights + KV (vLLM's name)
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -50,9 +53,25 @@ class EngineConfig:
         if self.speculative_config is not None:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)
+        if not (isinstance(self.gpu_memory_utilization, numbers.Real) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.simulate is not None:
+            self.cost_model()                      # an unknown profile or a malformed string fails here, named
+
+    def cost_model(self):
+        """The simulated clock's CostModel (minibatch/perf/cost.py), or None without ``simulate``."""
+        if self.simulate is None:
+            return None
+        from minibatch.perf.cost import CostModel
+        return CostModel.from_spec(self.simulate)
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
+        if self.simulate is not None:              # the simulated model's budget (vLLM's formula, perf/cost.py),
+            # allocated only up to what max_num_seqs full contexts can hold: blocks past that could only keep
+            # freed prefixes cached, and would cost this machine gigabytes for a GPU-sized pool
+            budget = self.cost_model().num_gpu_blocks(self.block_size, self.gpu_memory_utilization)
+            return min(budget, self.max_num_seqs * -(-n_ctx // self.block_size))
         return self.max_num_seqs * -(-n_ctx // self.block_size)

@@ -68,6 +68,9 @@ class LLMEngine:
         self._num_added = 0
         self.hooks: list[Callable] = []
         self.step_count, self.t0 = 0, time.perf_counter()
+        # The simulated clock (EngineConfig.simulate): the cost model times each step's trace; the engine only
+        # stamps the result on it and keeps the running sum (a driver may move it forward to the next arrival).
+        self.cost_model, self.simulated_time = c.cost_model(), 0.0
 
     # -- requests -----------------------------------------------------------------
     def add_hook(self, fn: Callable) -> None:
@@ -138,8 +141,12 @@ class LLMEngine:
             self.proposer.propose([s for s in self.scheduler.running if s.is_decoding], runner_output,
                                   scheduler_output)
         t_propose = time.perf_counter() - t_propose
-        if self.hooks:
+        if self.hooks or self.cost_model is not None:
             trace = make_trace(self, scheduler_output, runner_output, t_start, t_propose)
+            if self.cost_model is not None:
+                trace.simulated_time = self.simulated_time
+                trace.simulated_duration = self.cost_model.step_time(trace)
+                self.simulated_time += trace.simulated_duration
             for fn in self.hooks:
                 fn(trace)
         self.step_count += 1

@@ -1,0 +1,202 @@
+"""The cost of one engine step on hardware we do not have: a roofline per operator over a ``StepTrace``.
+
+A step runs one flat batch through the model. The trace says, per scheduled row b, its new tokens
+q_b (``num_tokens``) and its context after the step c_b = ``num_computed_before`` + q_b. With
+T = sum_b q_b, hidden size H, query width Q = n_heads x d, K/V width K = n_kv x d, MLP size I,
+vocabulary V, w bytes per weight (and per activation), every layer runs
+
+    qkv        FLOPs 2 T H (Q + 2K)       bytes w [H (Q + 2K)  +  T (H + Q + 2K)]
+    attention  FLOPs sum_b 4 q_b c_b Q    bytes w [sum_b c_b 2K  +  T 2K  +  2 T Q]
+                                          (each row's K/V read over its context, the new K/V written)
+    o_proj     FLOPs 2 T Q H              bytes w [Q H  +  T (Q + H)]
+    mlp        FLOPs 2 T m                bytes w [m  +  T (2H + 2I)],  m = 3 H I gated, 2 H I not
+    tp_allreduce (tensor parallelism, 2 per layer)   bytes 2 (tp-1)/tp T H w over the interconnect
+
+and the output head     lm_head  FLOPs 2 N H V   bytes w H V + 4 N V,
+N = rows that need logits (every token of a decode or verify row, the last token of a prompt's last
+chunk). Weights are read once per step, however many rows share them: that is why decode is
+memory-bound and why batching and speculation pay on a GPU.
+
+Each operator takes  max(FLOPs / peak, bytes / bandwidth)  (Williams et al.'s roofline, CACM 2009);
+``breakdown()`` says which term bound it. Each kernel adds the profile's launch overhead; a pure-decode
+step (every row 1 token) on a profile with CUDA graphs adds one graph replay instead. A measured
+profile (``calibrate.py``) also adds a host cost per step and per row (scheduling, Python).
+
+The proposer's work this step (``StepTrace.drafted``: per sequence drafted for, [drafts, depth, context])
+is costed from what ran: a draft model's ``depth`` passes (the draft profile), an EAGLE layer's passes
+(one layer of the target + its fc and head), early exit's shallow passes (the first E/L of the target's
+layers + the head), Medusa's heads (one pass: per head a residual block H x H and a head H x V);
+prompt lookup costs nothing on the device. With tensor parallelism (``simulate="2xh100:..."``) every
+weight, FLOP and K/V byte is split tp ways and the all-reduces are added.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from minibatch.perf.hardware import HardwareProfile, get_hardware
+from minibatch.perf.models import CHECKPOINTS, DEFAULT_DRAFT, ModelProfile, get_model
+
+KERNELS_PER_LAYER = 10     # 2 norms, qkv, rotary/cache write, attention, o_proj, 2 residual adds, mlp in, mlp out
+KERNELS_HEAD = 3           # final norm, lm_head, sampling
+
+
+@dataclass
+class Op:
+    name: str
+    flops: float
+    bytes: float
+    kernels: int = 1
+    link: bool = False         # traffic over the tensor-parallel interconnect, not device memory
+
+
+def parse_simulate(spec: str):
+    """'[Nx]HARDWARE:MODEL[:DRAFT]' -> (hardware name, tp, model name, draft name or None); names not checked."""
+    if not isinstance(spec, str):
+        raise TypeError(f"simulate must be a str like 'h100:llama-3-8b', got {type(spec).__name__}")
+    m = re.fullmatch(r"(?:(\d+)x)?([^:\s]+):([^:\s]+)(?::([^:\s]+))?", spec.strip())
+    if not m:
+        raise ValueError(f"malformed simulate string {spec!r}; expected '[Nx]HARDWARE:MODEL[:DRAFT]', e.g. "
+                         f"'h100:llama-3-8b', '2xh100:llama-3-70b' or 'h100:llama-3-8b:llama-3.2-1b'")
+    tp = int(m.group(1) or 1)
+    if tp < 1:
+        raise ValueError(f"simulate {spec!r}: the tensor-parallel degree must be >= 1")
+    return m.group(2), tp, m.group(3), m.group(4)
+
+
+class CostModel:
+    """step_time(trace) -> seconds on ``hardware`` for ``model``; breakdown(trace) -> the operators."""
+
+    def __init__(self, hardware: HardwareProfile, model: ModelProfile, draft: ModelProfile | None = None,
+                 tp: int = 1):
+        if tp > 1 and hardware.interconnect_bandwidth <= 0:
+            raise ValueError(f"{hardware.name} has no interconnect for tensor parallelism (tp={tp}); use tp=1")
+        self.hw, self.model, self.draft, self.tp = hardware, model, draft, tp
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "CostModel":
+        hw, tp, model, draft = parse_simulate(spec)
+        m = get_model(model)
+        return cls(get_hardware(hw), m, get_model(draft or DEFAULT_DRAFT.get(model, "draft")), tp)
+
+    def __repr__(self):
+        tp = f"{self.tp}x" if self.tp > 1 else ""
+        return f"CostModel({tp}{self.hw.name}:{self.model.name}, draft {self.draft.name if self.draft else None})"
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
+        """vLLM's KV budget: (memory x gpu_memory_utilization - weights) / bytes of one block, per device."""
+        m, budget = self.model, self.hw.mem_capacity * gpu_memory_utilization
+        weights = m.weight_bytes / self.tp
+        if weights >= budget:
+            raise ValueError(f"{m.name}'s weights ({weights / 1e9:.1f} GB per device) do not fit {self.hw.name}'s "
+                             f"{self.hw.mem_capacity / 1e9:.0f} GB x gpu_memory_utilization {gpu_memory_utilization} "
+                             f"= {budget / 1e9:.1f} GB; choose a larger profile, tensor parallelism ('2x{self.hw.name}"
+                             f":{m.name}'), a higher gpu_memory_utilization or a smaller model")
+        return int((budget - weights) // (block_size * m.kv_bytes_per_token / self.tp))
+
+    # -- operators ------------------------------------------------------------------------------------------
+    def forward_ops(self, m: ModelProfile, rows, layers: int | None = None, head: bool = True,
+                    prefix: str = "") -> list:
+        """The operators of one forward of model m over rows [(q, context after, logits rows)]."""
+        tp, w = self.tp, m.dtype_bytes
+        L = m.n_layer if layers is None else layers
+        T = sum(q for q, _, _ in rows)
+        H, Q, K, I = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+        mw = (3 if m.gated_mlp else 2) * H * I
+        per_layer = [
+            Op("qkv", 2 * T * H * (Q + 2 * K) / tp, w * (H * (Q + 2 * K) / tp + T * (H + (Q + 2 * K) / tp)), 2),
+            Op("attention", sum(4 * q * c * Q for q, c, _ in rows) / tp,
+               w * (sum(c * 2 * K for _, c, _ in rows) + T * 2 * K + 2 * T * Q) / tp, 2),
+            Op("o_proj", 2 * T * Q * H / tp, w * (Q * H / tp + T * (Q / tp + H)), 2),
+            Op("mlp", 2 * T * mw / tp, w * (mw / tp + T * (2 * H + 2 * I / tp)), 4)]
+        if tp > 1:
+            per_layer.append(Op("tp_allreduce", 0.0, 2 * 2 * (tp - 1) / tp * T * H * w, 2, link=True))
+        ops = [Op(prefix + o.name, o.flops * L, o.bytes * L, o.kernels * L, o.link) for o in per_layer]
+        N = sum(n for _, _, n in rows)
+        if head and N:
+            ops.append(Op(prefix + "lm_head", 2 * N * H * m.vocab / tp, w * H * m.vocab / tp + 4 * N * m.vocab,
+                          KERNELS_HEAD))
+        return ops
+
+    def target_rows(self, trace) -> list:
+        rows = []
+        for s in trace.scheduled:
+            c = s.num_computed_before + s.num_tokens
+            rows.append((s.num_tokens, c, s.num_tokens if s.phase == "decode" else int(bool(s.new_token_ids))))
+        if trace.num_padding_slots and rows:           # static batching: finished members compute a token each
+            c = round(sum(c for _, c, _ in rows) / len(rows))
+            rows += [(1, c, 1)] * trace.num_padding_slots
+        return rows
+
+    def propose_ops(self, trace) -> list:
+        """What the proposer ran after this step (``trace.drafted``), costed by method (see the docstring)."""
+        drafted, method = getattr(trace, "drafted", None) or [], trace.speculative_method
+        if not drafted or method in (None, "ngram"):
+            return []
+        m, H = self.model, self.model.hidden
+        depth = max(d for _, d, _ in drafted)
+        if method == "medusa":                          # one pass of `depth` heads, each a ResBlock + a head
+            n = len(drafted)
+            return [Op("medusa_heads", depth * 2 * n * (H * H + H * m.vocab) / self.tp,
+                       depth * m.dtype_bytes * (H * H + H * m.vocab) / self.tp, 3 * depth)]
+        ops = []
+        for j in range(depth):
+            rows = [(math.ceil(n / d), c + j, math.ceil(n / d)) for n, d, c in drafted if d > j]
+            if method == "draft":
+                ops += self.forward_ops(self.draft or m, rows, prefix="draft.")
+            elif method == "eagle":                     # fc [2H -> H], one decoder layer, the target's head
+                T = sum(q for q, _, _ in rows)
+                ops.append(Op("eagle.fc", 2 * T * 2 * H * H / self.tp, m.dtype_bytes * 2 * H * H / self.tp))
+                ops += self.forward_ops(m, rows, layers=1, prefix="eagle.")
+            elif method == "early_exit":                # the first E/L of the target's layers + the head
+                ops += self.forward_ops(m, rows, layers=self._exit_layers(), prefix="exit.")
+            else:
+                raise ValueError(f"no cost for speculative method {method!r}")
+        return ops
+
+    def _exit_layers(self) -> int:
+        """Early exit's shallow passes: the shipped exit layer E of the shipped target's L, scaled to this model."""
+        e = json.loads((CHECKPOINTS / "early_exit.json").read_text())["config"]["exit_layer"]
+        n = json.loads((CHECKPOINTS / "target.json").read_text())["config"]["n_layer"]
+        return max(1, round(self.model.n_layer * e / n))
+
+    # -- time -----------------------------------------------------------------------------------------------
+    def op_time(self, op: Op) -> tuple[float, float]:
+        """(compute seconds, memory or link seconds) of one operator; its time is the larger."""
+        bw = self.hw.interconnect_bandwidth if op.link else self.hw.mem_bandwidth
+        return op.flops / self.hw.flops(self.model.dtype), op.bytes / bw
+
+    def breakdown(self, trace) -> list:
+        """One dict per operator: FLOPs, bytes, both times, the time it takes and which term bound it."""
+        out = []
+        for op in self.forward_ops(self.model, self.target_rows(trace)) + self.propose_ops(trace):
+            tc, tm = self.op_time(op)
+            out.append({"op": op.name, "flops": op.flops, "bytes": op.bytes, "compute_s": tc, "memory_s": tm,
+                        "time_s": max(tc, tm), "bound": "compute" if tc > tm else ("link" if op.link else "memory"),
+                        "intensity": op.flops / op.bytes if op.bytes else math.inf})
+        return out
+
+    def overhead(self, trace) -> float:
+        """Launches (per kernel, or one graph replay per pure-decode pass) + the host's per-step and per-row time."""
+        hw = self.hw
+        pure_decode = trace.scheduled and all(s.phase == "decode" and s.num_tokens == 1 for s in trace.scheduled)
+        target = self.forward_ops(self.model, self.target_rows(trace))
+        if hw.cuda_graphs and pure_decode:
+            t = hw.graph_overhead
+        else:
+            t = hw.launch_overhead * sum(o.kernels for o in target)
+        prop = self.propose_ops(trace)
+        if prop:
+            depth = max(d for _, d, _ in trace.drafted)
+            passes = 1 if trace.speculative_method == "medusa" else depth
+            t += passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in prop)
+        return t + hw.step_overhead + hw.row_overhead * (len(trace.scheduled) + trace.num_padding_slots)
+
+    def step_time(self, trace) -> float:
+        """Seconds the step would take: the operators' roofline times plus the overheads."""
+        if not trace.scheduled:
+            return 0.0
+        return sum(b["time_s"] for b in self.breakdown(trace)) + self.overhead(trace)
