@@ -82,6 +82,8 @@ class StepTrace:
                                                        # [drafts, depth (a chain: = drafts), context] (perf/cost.py)
     simulated_time: Optional[float] = None     # EngineConfig.simulate: the simulated clock at the step's start (s)
     simulated_duration: Optional[float] = None # ... and the step's duration on it (minibatch/perf/cost.py)
+    cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
+                                               # ``duration`` without the waits of a shared machine (perf/validate.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -53,7 +53,8 @@ def added_params(llm) -> tuple[int, str]:
 def timed_pair(a, b, prompts, params, repeats=3):
     """Output tokens/s of two engines on the same prompts, runs alternating (a, b, a, b, ...); each side keeps
     its best run (as timeit does: noise only slows). Returns per side (tok/s, outputs, traces of the best
-    run, wall times of every run)."""
+    run, wall times of every run). Engines made with ``simulate=...`` are timed on the simulated clock (the sum
+    of the run's ``simulated_duration``), which does not vary: give them repeats=1."""
     recs = [TraceRecorder(), TraceRecorder()]
     for llm, rec in zip((a, b), recs):
         llm.generate(prompts[:1], params, use_tqdm=False)                  # warm-up
@@ -65,6 +66,8 @@ def timed_pair(a, b, prompts, params, repeats=3):
             t = time.perf_counter()
             outs[i] = llm.generate(prompts, params, use_tqdm=False)        # greedy / seeded: same every run
             walls[i].append(time.perf_counter() - t)
+            if llm.llm_engine.cost_model is not None:                       # the simulated clock
+                walls[i][-1] = sum(tr.simulated_duration for tr in recs[i].traces)
             if walls[i][-1] < best[i]:
                 best[i], traces[i] = walls[i][-1], list(recs[i].traces)
     for llm, rec in zip((a, b), recs):
@@ -73,15 +76,17 @@ def timed_pair(a, b, prompts, params, repeats=3):
     return [(n[i] / best[i], outs[i], traces[i], walls[i]) for i in range(2)]
 
 
-def _decode_step_time(traces) -> float:
-    """Mean duration of the steps that only decoded (no prefill in them): a plain decode step's cost."""
-    ds = [t.duration - t.propose_duration for t in traces
+def _decode_step_time(traces, cm=None) -> float:
+    """Mean duration of the steps that only decoded (no prefill in them): a plain decode step's cost.
+    cm: the simulated clock's CostModel (then the simulated durations, less the proposer's share)."""
+    ds = [t.simulated_duration - cm.propose_time(t) if cm else t.duration - t.propose_duration for t in traces
           if t.scheduled and all(s.phase == "decode" for s in t.scheduled)]
     return sum(ds) / len(ds) if ds else float("nan")
 
 
-def _propose_time(traces) -> float:
-    ps = [t.propose_duration for t in traces if t.scheduled and all(s.phase == "decode" for s in t.scheduled)]
+def _propose_time(traces, cm=None) -> float:
+    ps = [cm.propose_time(t) if cm else t.propose_duration for t in traces
+          if t.scheduled and all(s.phase == "decode" for s in t.scheduled)]
     return sum(ps) / len(ps) if ps else 0.0
 
 
@@ -91,7 +96,7 @@ HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>9}{'pass
 
 
 def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plain, extra=None, name=None):
-    llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1),
+    llm = LLM(model, draft_model=draft, max_num_seqs=max(bs, 1), simulate=plain.llm_engine.config.simulate,
               speculative_config={"method": method, "num_speculative_tokens": k, **(extra or {})})
     if name:
         method = name
@@ -104,7 +109,8 @@ def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plai
     by_pos = "/".join(f"{a:.2f}" for a in st.get("acceptance_by_position", [])) or "-"
     tau = st.get("tokens_per_verify_step", 1.0)
     formula = st.get("expected_tokens_per_verify_step") or 1.0            # None for a tree (no chain formula)
-    cost = _propose_time(tr) / _decode_step_time(base_tr)
+    cm = llm.llm_engine.cost_model
+    cost = _propose_time(tr, cm) / _decode_step_time(base_tr, plain.llm_engine.cost_model)
     predicted = formula / (1 + cost)
     n_params, passes = added_params(llm)
     passes = k if passes == "k" else int(passes)
@@ -134,13 +140,17 @@ def bench_speculative(args) -> list:
     print(f"each row: best of {args.repeats} runs, alternating with plain decoding (base) on the same code prompts; "
           f"spread = lowest-highest per-round ratio;\nformula = (1 - a^(k+1)) / (1 - a); cost = proposer time per "
           f"step / plain decode step; predicted = formula / (1 + cost) (Leviathan et al. 2023)")
+    if getattr(args, "simulate", None):
+        args.repeats = 1
+        print(f"clock: simulated, {args.simulate} (minibatch.perf's roofline; the draft costed as "
+              f"{draft_name(args.simulate)}): tok/s, speedup and cost are simulated, alpha and tau are real")
     print(HEADER)
     rows = []
     for temp, label in ((0.0, "low"), (1.0, "high")):
         for bs in args.batch_sizes:
             ps = prompts[:bs]
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0 if temp else None)
-            plain = LLM(model, max_num_seqs=max(bs, 1))
+            plain = LLM(model, max_num_seqs=max(bs, 1), simulate=getattr(args, "simulate", None))
             for method in methods:
                 for k in args.ks:
                     if k > _max_k(method):
@@ -154,6 +164,12 @@ def bench_speculative(args) -> list:
                         rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
                                               extra={"acceptance": "typical"}))
     return rows
+
+
+def draft_name(simulate: str) -> str:
+    """Which model a simulated draft pass is costed as (perf/cost.py: the spec's third part or the default)."""
+    from minibatch.perf.cost import CostModel
+    return CostModel.from_spec(simulate).draft.name
 
 
 def _available(method: str) -> bool:

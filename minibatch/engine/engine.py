@@ -125,7 +125,7 @@ class LLMEngine:
     # tracking, a few per cent of a small model's step on a CPU. The KV cache, made outside, is written in place.
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             if self.scheduler.has_unfinished():
@@ -143,6 +143,7 @@ class LLMEngine:
         t_propose = time.perf_counter() - t_propose
         if self.hooks or self.cost_model is not None:
             trace = make_trace(self, scheduler_output, runner_output, t_start, t_propose)
+            trace.cpu_duration = time.process_time() - cpu_start
             if self.cost_model is not None:
                 trace.simulated_time = self.simulated_time
                 trace.simulated_duration = self.cost_model.step_time(trace)

@@ -20,7 +20,8 @@ memory-bound and why batching and speculation pay on a GPU.
 Each operator takes  max(FLOPs / peak, bytes / bandwidth)  (Williams et al.'s roofline, CACM 2009);
 ``breakdown()`` says which term bound it. Each kernel adds the profile's launch overhead; a pure-decode
 step (every row 1 token) on a profile with CUDA graphs adds one graph replay instead. A measured
-profile (``calibrate.py``) also adds a host cost per step and per row (scheduling, Python).
+profile (``calibrate.py``) also adds a host cost per step, per row (scheduling, Python) and per token
+(on a CPU, the elementwise work that a roofline of matrix products misses).
 
 The proposer's work this step (``StepTrace.drafted``: per sequence drafted for, [drafts, depth, context])
 is costed from what ran: a draft model's ``depth`` passes (the draft profile), an EAGLE layer's passes
@@ -193,7 +194,20 @@ class CostModel:
             depth = max(d for _, d, _ in trace.drafted)
             passes = 1 if trace.speculative_method == "medusa" else depth
             t += passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in prop)
-        return t + hw.step_overhead + hw.row_overhead * (len(trace.scheduled) + trace.num_padding_slots)
+        rows = self.target_rows(trace)
+        return (t + hw.step_overhead + hw.row_overhead * len(rows)
+                + hw.token_overhead * (sum(q for q, _, _ in rows) + sum(n * d for n, d, _ in trace.drafted)))
+
+    def propose_time(self, trace) -> float:
+        """The proposer's share of ``step_time``: its operators and launches (0 without drafts)."""
+        ops = self.propose_ops(trace)
+        if not ops:
+            return 0.0
+        hw, depth = self.hw, max(d for _, d, _ in trace.drafted)
+        passes = 1 if trace.speculative_method == "medusa" else depth
+        launches = passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in ops)
+        return sum(max(self.op_time(o)) for o in ops) + launches + hw.token_overhead * sum(n * d for n, d, _ in
+                                                                                           trace.drafted)
 
     def step_time(self, trace) -> float:
         """Seconds the step would take: the operators' roofline times plus the overheads."""

@@ -44,6 +44,7 @@ class HardwareProfile:
     step_overhead: float = 0.0      # s per engine step outside the kernels (scheduling, Python): measured on
                                     # this machine by calibrate; 0 on the datasheet profiles (not modelled)
     row_overhead: float = 0.0       # s per scheduled sequence per step outside the kernels (as above)
+    token_overhead: float = 0.0     # s per token fed, beyond the roofline (as above: elementwise work on a CPU)
     sources: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -54,7 +55,8 @@ class HardwareProfile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{self.name}: {k} must be a positive number, got {v!r}")
-        for k in ("launch_overhead", "graph_overhead", "interconnect_bandwidth", "step_overhead", "row_overhead"):
+        for k in ("launch_overhead", "graph_overhead", "interconnect_bandwidth", "step_overhead", "row_overhead",
+                  "token_overhead"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{self.name}: {k} must be a number >= 0, got {v!r}")
