@@ -14,12 +14,14 @@ vocabulary V, w bytes per weight (and per activation), every layer runs
 
 and the output head     lm_head  FLOPs 2 N H V   bytes w H V + 4 N V,
 N = rows that need logits (every token of a decode or verify row, the last token of a prompt's last
-chunk). Weights are read once per step, however many rows share them: that is why decode is
+chunk). Weights are read once per step, however many rows share them (the input embedding is a gather of
+T rows, left out): that is why decode is
 memory-bound and why batching and speculation pay on a GPU.
 
 Each operator takes  max(FLOPs / peak, bytes / bandwidth)  (Williams et al.'s roofline, CACM 2009);
-``breakdown()`` says which term bound it. Each kernel adds the profile's launch overhead; a pure-decode
-step (every row 1 token) on a profile with CUDA graphs adds one graph replay instead. A measured
+``breakdown()`` says which term bound it. Each kernel adds the profile's launch overhead; a uniform decode
+step (every row a decode of one length: 1, or 1 + k drafts) on a profile with CUDA graphs adds one graph
+replay instead (vLLM V1 captures those). A measured
 profile (``calibrate.py``) also adds a host cost per step, per row (scheduling, Python) and per token
 (on a CPU, the elementwise work that a roofline of matrix products misses).
 
@@ -183,7 +185,9 @@ class CostModel:
     def overhead(self, trace) -> float:
         """Launches (per kernel, or one graph replay per pure-decode pass) + the host's per-step and per-row time."""
         hw = self.hw
-        pure_decode = trace.scheduled and all(s.phase == "decode" and s.num_tokens == 1 for s in trace.scheduled)
+        # vLLM V1 replays a graph for a uniform decode batch: every row a decode of the same length (1, or 1 + k)
+        pure_decode = (trace.scheduled and all(s.phase == "decode" for s in trace.scheduled)
+                       and len({s.num_tokens for s in trace.scheduled}) == 1 and not trace.num_padding_slots)
         target = self.forward_ops(self.model, self.target_rows(trace))
         if hw.cuda_graphs and pure_decode:
             t = hw.graph_overhead
