@@ -67,16 +67,11 @@ def step_times(traces, clock: str = "wall") -> list:
     return [(t.simulated_time, t.simulated_duration) for t in traces]
 
 
-def request_stats(traces, clock: str = "wall", arrivals: dict | None = None, slo: dict | None = None) -> dict:
-    """Throughput, TTFT / TPOT / e2e percentiles and goodput on one clock, from the traces.
-
-    arrivals: request id -> arrival on the same clock (seconds since the engine started; missing: 0, an
-    offline run). slo: {"ttft": s, "tpot": s} for goodput and SLO attainment."""
-    from minibatch.bench.metrics import percentiles          # the one percentile definition
+def per_request(traces, clock: str = "wall", arrivals: dict | None = None) -> dict:
+    """request id -> {"ttft", "tpot" (None for one token), "e2e", "output_tokens", "finished"} on the clock."""
     traces, arrivals = list(traces), dict(arrivals or {})
-    times = step_times(traces, clock)
     first, last, n_out, seqs, finished = {}, {}, {}, {}, set()
-    for t, (start, dur) in zip(traces, times):
+    for t, (start, dur) in zip(traces, step_times(traces, clock)):
         for x in t.scheduled:
             if x.new_token_ids:
                 first.setdefault(x.request_id, start + dur)
@@ -84,26 +79,38 @@ def request_stats(traces, clock: str = "wall", arrivals: dict | None = None, slo
             last[x.request_id] = start + dur
             seqs.setdefault(x.request_id, set()).add(x.seq_id)
         finished.update(t.finished)
-    done = {rid for rid, ss in seqs.items() if ss <= finished}      # n > 1: when every sequence is
-    ttft, tpot, e2e, good = {}, {}, {}, 0
+    out = {}
     for rid in first:
         arr = arrivals.get(rid, 0.0)
-        ttft[rid], e2e[rid] = first[rid] - arr, last[rid] - arr
-        if n_out[rid] > 1:
-            tpot[rid] = (last[rid] - first[rid]) / (n_out[rid] - 1)
+        out[rid] = {"ttft": first[rid] - arr, "e2e": last[rid] - arr, "output_tokens": n_out[rid],
+                    "tpot": (last[rid] - first[rid]) / (n_out[rid] - 1) if n_out[rid] > 1 else None,
+                    "finished": seqs[rid] <= finished}          # n > 1: when every sequence is
+    return out
+
+
+def request_stats(traces, clock: str = "wall", arrivals: dict | None = None, slo: dict | None = None) -> dict:
+    """Throughput, TTFT / TPOT / e2e percentiles and goodput on one clock, from the traces.
+
+    arrivals: request id -> arrival on the same clock (seconds since the engine started; missing: 0, an
+    offline run). slo: {"ttft": s, "tpot": s} for goodput and SLO attainment."""
+    from minibatch.bench.metrics import percentiles          # the one percentile definition
+    traces, arrivals = list(traces), dict(arrivals or {})
+    reqs, times = per_request(traces, clock, arrivals), step_times(traces, clock)
+    done = [r for r in reqs.values() if r["finished"]]
+    n_out = sum(r["output_tokens"] for r in reqs.values())
     span = (max(s + d for s, d in times) - min([0.0, *arrivals.values()])) if times else 0.0
-    out = {"clock": clock, "num_finished": len(done), "output_tokens": sum(n_out.values()), "total_time": span,
-           "output_tokens_per_s": sum(n_out.values()) / span if span > 0 else None,
+    out = {"clock": clock, "num_finished": len(done), "output_tokens": n_out, "total_time": span,
+           "output_tokens_per_s": n_out / span if span > 0 else None,
            "requests_per_s": len(done) / span if span > 0 else None}
-    for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        for p, v in percentiles(list(vals.values())).items():
+    for name in ("ttft", "tpot", "e2e"):
+        for p, v in percentiles([r[name] for r in reqs.values() if r[name] is not None]).items():
             out[f"{name}_{p}"] = v
     if slo is not None:
         bad = set(slo) - {"ttft", "tpot"}
         if bad or not slo:
             raise ValueError(f"slo takes keys 'ttft' and/or 'tpot' (seconds), got {sorted(slo)}")
-        good = sum(1 for rid in done if rid in ttft and ttft[rid] <= slo.get("ttft", float("inf"))
-                   and tpot.get(rid, 0.0) <= slo.get("tpot", float("inf")))
+        good = sum(1 for r in done if r["ttft"] <= slo.get("ttft", float("inf"))
+                   and (r["tpot"] or 0.0) <= slo.get("tpot", float("inf")))
         out.update(slo_attainment=good / len(done) if done else None,
                    goodput=good / span if span > 0 else None)
     return out

@@ -16,6 +16,12 @@ Every rate draws the same requests (prompts, output lengths) and only rescales t
 (``make_workload`` keeps its random streams apart). At each rate the schedulers run alternately
 (static, continuous, static, ...) through ``run_workload`` on the real clock, ``--repeats`` times each;
 a row keeps the run of lowest normalised latency (noise only slows) and shows the min-max spread.
+
+``--simulate h100:llama-3-8b`` runs the arrivals on the simulated clock instead (``minibatch.perf``: each
+step re-timed on that GPU and model; one run per point, since that clock does not vary), and
+``--slo ttft=0.5,tpot=0.05`` adds goodput: requests/s that meet both SLOs, and per scheduler the highest
+rate whose SLO attainment is >= 90 % (DistServe, Zhong et al., OSDI 2024, Sec. 2). Tables and the plot
+say which clock they show.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import numpy as np
 from minibatch.bench.run import run_workload
 from minibatch.bench.workload import WORKLOADS, describe, make_workload
 from minibatch.model.weights import load_model
+from minibatch.stats import per_request, request_stats
 
 SCHEDULERS = ("static", "continuous")
 STYLE = {"static": dict(color="tab:orange", marker="s"), "continuous": dict(color="tab:blue", marker="o")}
@@ -49,7 +56,18 @@ def normalised_latency(outs: dict) -> float:
     return float(np.mean(xs))
 
 
-def sweep(model, rates, num_requests, seed, repeats, workload="longtail", **engine_kwargs) -> dict:
+def parse_slo(text: str) -> dict:
+    """'ttft=0.5,tpot=0.05' -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    try:
+        slo = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slo takes ttft=SECONDS,tpot=SECONDS, got {text!r}") from None
+    if not slo or set(slo) - {"ttft", "tpot"} or any(not v > 0 for v in slo.values()):
+        raise argparse.ArgumentTypeError(f"--slo takes ttft and/or tpot, each > 0 seconds, got {text!r}")
+    return slo
+
+
+def sweep(model, rates, num_requests, seed, repeats, workload="longtail", slo=None, **engine_kwargs) -> dict:
     """{(scheduler, rate): summary of the kept run, with "norm_latency" and the spreads over repeats}."""
     results = {}
     for rate in rates:
@@ -57,8 +75,19 @@ def sweep(model, rates, num_requests, seed, repeats, workload="longtail", **engi
         runs = {s: [] for s in SCHEDULERS}
         for _ in range(repeats):
             for s in SCHEDULERS:
-                summary, _, outs = run_workload(model, wl, scheduling=s, **engine_kwargs)
-                runs[s].append({**summary, "norm_latency": normalised_latency(outs)})
+                summary, traces, outs = run_workload(model, wl, scheduling=s, **engine_kwargs)
+                if engine_kwargs.get("simulate"):           # the simulated clock: per request from the traces
+                    arr = {r.request_id: r.arrival_time for r in wl}
+                    reqs = per_request(traces, "simulated", arr).values()
+                    norm = float(np.mean([r["e2e"] / max(r["output_tokens"], 1) for r in reqs]))
+                    if slo:
+                        summary = {**summary, **{k: v for k, v in request_stats(traces, "simulated", arr, slo).items()
+                                                 if k in ("goodput", "slo_attainment")}}
+                else:
+                    norm = normalised_latency(outs)
+                    if slo:
+                        summary = {**summary, **wall_goodput(outs, slo, summary["wall_time"])}
+                runs[s].append({**summary, "norm_latency": norm})
         for s, rs in runs.items():
             best = min(rs, key=lambda r: r["norm_latency"])
             results[(s, rate)] = {**best, "rate": rate, "scheduler": s,
@@ -74,10 +103,18 @@ def _x(ratio: float) -> str:
     return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
 
 
-def format_results(results: dict) -> str:
-    """One line per (rate, scheduler), then continuous/static per rate."""
+def wall_goodput(outs: dict, slo: dict, wall_time: float) -> dict:
+    """SLO attainment and goodput on the wall clock, from the requests' measured TTFT and TPOT (the simulated
+    clock's come from ``minibatch.stats.request_stats``, the same definition on the traces)."""
+    good = sum(1 for o in outs.values() if o.metrics.ttft <= slo.get("ttft", float("inf"))
+               and (o.metrics.tpot or 0.0) <= slo.get("tpot", float("inf")))
+    return {"slo_attainment": good / len(outs), "goodput": good / wall_time}
+
+
+def format_results(results: dict, slo=None) -> str:
+    """One line per (rate, scheduler), then continuous/static per rate (and goodput with an SLO)."""
     table = [("rate", "scheduler", "out tok/s (min-max)", "norm lat ms/tok (min-max)", "TTFT p50", "TTFT p99",
-              "e2e p99", "occupancy")]
+              "e2e p99", "occupancy") + (("SLO met", "goodput req/s") if slo else ())]
     rates = sorted({r for _, r in results})
     for rate in rates:
         for s in SCHEDULERS:
@@ -86,17 +123,27 @@ def format_results(results: dict) -> str:
             table.append((f"{rate:g}", s, f"{r['output_tokens_per_s']:.0f} ({tlo:.0f}-{thi:.0f})",
                           f"{1e3 * r['norm_latency']:.1f} ({1e3 * llo:.1f}-{1e3 * lhi:.1f})",
                           f"{r['ttft_p50']:.2f}s", f"{r['ttft_p99']:.2f}s", f"{r['e2e_p99']:.1f}s",
-                          f"{r['mean_occupancy']:.0%}"))
+                          f"{r['mean_occupancy']:.0%}")
+                         + ((f"{r['slo_attainment']:.0%}", f"{r['goodput']:.2f}") if slo else ()))
     widths = [max(len(row[j]) for row in table) for j in range(len(table[0]))]
     lines = ["  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths)))
              for row in table]
     lines.insert(1, "-" * len(lines[0]))
+    clock = next(iter(results.values())).get("clock", "wall")
+    lines.insert(0, f"clock: {clock}" + (" (minibatch.perf's cost model, not measured)" if clock == "simulated"
+                                         else " (measured on this machine)"))
     lines.append("\ncontinuous / static, per rate (normalised latency and TTFT below 1: continuous is faster)")
     for rate in rates:
         c, s = results[("continuous", rate)], results[("static", rate)]
         lines.append(f"{rate:>6g} req/s: throughput {_x(c['output_tokens_per_s'] / s['output_tokens_per_s'])}, "
                      f"normalised latency {_x(c['norm_latency'] / s['norm_latency'])}, "
                      f"TTFT p99 {_x(c['ttft_p99'] / s['ttft_p99'])}")
+    if slo:
+        lines.append(f"\ngoodput (DistServe): the highest rate whose SLO attainment is >= 90% "
+                     f"({', '.join(f'{k} <= {v:g} s' for k, v in slo.items())})")
+        for s in SCHEDULERS:
+            ok = [rate for rate in rates if results[(s, rate)]["slo_attainment"] >= 0.9]
+            lines.append(f"  {s:<11} {max(ok):g} req/s" if ok else f"  {s:<11} none of the rates tried")
     return "\n".join(lines)
 
 
@@ -162,6 +209,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per scheduler and rate")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="out/online.png", help="the PNG to write")
+    ap.add_argument("--simulate", default=None, metavar="HW:MODEL",
+                    help="run the arrivals on a simulated clock, e.g. h100:llama-3-8b (minibatch.perf)")
+    ap.add_argument("--slo", type=parse_slo, default=None, metavar="ttft=S,tpot=S",
+                    help="goodput at these SLOs (seconds), e.g. ttft=0.5,tpot=0.05")
     args = ap.parse_args(argv)
     for name in ("num_requests", "max_num_seqs", "repeats"):
         if getattr(args, name) < 1:
@@ -170,17 +221,20 @@ def main(argv=None) -> int:
         ap.error(f"--out must name a .png file, got {args.out!r}")
     model = load_model("target", device=args.device)
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size)
+              block_size=args.block_size, simulate=args.simulate)
+    if args.simulate:
+        args.repeats = 1                               # the simulated clock does not vary
     wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival="poisson",
                        rate=args.rates[0])
     print(f"device: {model.device}; {args.max_num_seqs} slots; rates {args.rates} requests/s, Poisson; "
           f"best of {args.repeats} alternating runs (min-max)\nthe same requests at every rate, arrivals "
           f"compressed by the rate; at {args.rates[0]:g} requests/s: {describe(wl)}")
     run_workload(model, make_workload(args.workload, num_requests=4, seed=args.seed), **kw)   # warm-up, offline
-    results = sweep(model, args.rates, args.num_requests, args.seed, args.repeats, args.workload, **kw)
-    print(format_results(results))
+    results = sweep(model, args.rates, args.num_requests, args.seed, args.repeats, args.workload, args.slo, **kw)
+    print(format_results(results, args.slo))
     mean_out = float(np.mean([r.max_tokens for r in wl]))
     title = (f"{args.num_requests} {args.workload} requests (mean {mean_out:.0f} output tokens), Poisson arrivals, "
-             f"{args.max_num_seqs} slots, {model.device.type}")
+             f"{args.max_num_seqs} slots, " + (f"simulated clock: {args.simulate}" if args.simulate
+                                               else f"wall clock: {model.device.type}"))
     print(f"\nwrote {plot(results, args.out, title, mean_out)}")
     return 0
