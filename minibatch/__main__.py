@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
+    d.add_argument("--simulate", default=None, metavar="HW:MODEL",
+                   help="also print each run re-timed on a simulated GPU and model, e.g. h100:llama-3-8b")
     s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) with a live view at /")
     from minibatch.serve.server import add_arguments    # argparse only; the server loads on use
     add_arguments(s)
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
             from minibatch.serve.server import serve
             return serve(args)
         from minibatch.bench.demo import run_demo
-        return run_demo(args.scenario, out=args.out, text_only=args.text, small=args.small)
+        return run_demo(args.scenario, out=args.out, text_only=args.text, small=args.small, simulate=args.simulate)
     except NotImplementedError:      # an exercise not finished yet (a student release): said below
         raise
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

@@ -229,7 +229,11 @@ def _write_tree_step(rec: TraceRecorder, path: pathlib.Path, small: bool) -> pat
     return path
 
 
-def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False) -> int:
+def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False, simulate=None) -> int:
+    """simulate='h100:llama-3-8b': also print each run re-timed on that GPU and model (``minibatch.perf``)."""
+    if simulate is not None:                           # a bad profile fails before the run
+        from minibatch.perf.cost import CostModel
+        CostModel.from_spec(simulate)
     path = pathlib.Path(out) if out else OUT_DIR / f"{pathlib.Path(scenario).stem}.gif"
     if not text_only:                                  # a bad file name fails now, not after the run
         if not out:
@@ -270,6 +274,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             print_trace(rec)
         for line in summary_lines(label, rec.traces, rec.meta):
             print(line)
+    if simulate is not None:
+        from minibatch.perf.clocks import compare_clocks
+        print(compare_clocks({label: rec.traces for label, (rec, _) in runs.items()}, simulate))
     if "static" in runs and "continuous" in runs:
         st, ct = runs["static"][0].traces, runs["continuous"][0].traces
         print(f"continuous needs {len(ct)} steps where static needs {len(st)}: "

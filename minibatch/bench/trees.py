@@ -40,20 +40,21 @@ def shapes(method: str, depth: int, heads: int) -> list:
 
 
 def bench_tree_row(model, spec, label, prompts, params, bs, repeats, plain, temp, chain_tau):
-    llm = LLM(model, max_num_seqs=max(bs, 1), speculative_config=spec)
+    cm = plain.llm_engine.cost_model
+    llm = LLM(model, max_num_seqs=max(bs, 1), speculative_config=spec, simulate=plain.llm_engine.config.simulate)
     (base, _, base_tr, base_walls), (tps, _, tr, walls) = timed_pair(plain, llm, prompts, params, repeats)
     st = run_stats(tr)
     verify = [s for t in tr for s in t.scheduled if s.proposed]
     nodes = sum(s.num_tokens for s in verify) / max(len(verify), 1)
     tau = st.get("tokens_per_verify_step", 1.0)
     ratios = [b / s for b, s in zip(base_walls, walls)]
-    base_step = _decode_step_time(base_tr)
+    base_step = _decode_step_time(base_tr, cm)
     passes = getattr(llm.llm_engine.proposer, "sequential_passes", "k")
     passes = llm.llm_engine.proposer.k if passes == "k" else int(passes)
     row = dict(temperature=temp, batch=bs, method=spec["method"], shape=label, passes=passes, nodes=nodes, tau=tau,
                tau_over_chain=tau / chain_tau if chain_tau else 1.0, tps=tps, base=base, speedup=tps / base,
-               spread=(min(ratios), max(ratios)), verify_cost=_decode_step_time(tr) / base_step,
-               propose_cost=_propose_time(tr) / base_step)
+               spread=(min(ratios), max(ratios)), verify_cost=_decode_step_time(tr, cm) / base_step,
+               propose_cost=_propose_time(tr, cm) / base_step)
     print(f"{temp:>5.1f}{bs:>6}{spec['method']:>8}{label:>22}{passes:>7}{nodes:>7.1f}{tau:>6.2f}"
           f"{row['tau_over_chain']:>10.2f}{tps:>8.1f}{base:>7.1f}{tps / base:>8.2f}"
           f" {f'{min(ratios):.2f}-{max(ratios):.2f}':>10}{row['verify_cost']:>7.2f}{row['propose_cost']:>8.2f}",
@@ -78,7 +79,7 @@ def bench_trees(args) -> list:
         for bs in args.batch_sizes:
             ps = prompts[:max(bs, args.prompts)]        # batch 1 still averages over several prompts, in turn
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0 if temp else None)
-            plain = LLM(model, max_num_seqs=max(bs, 1))
+            plain = LLM(model, max_num_seqs=max(bs, 1), simulate=args.simulate)
             for method in methods:
                 chain_tau = None
                 for label, spec in shapes(method, args.depth, heads):
@@ -98,7 +99,13 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per row at least (run max_num_seqs = batch at a time)")
+    ap.add_argument("--simulate", default=None, metavar="HW:MODEL",
+                    help="time on a simulated GPU and model, e.g. h100:llama-3-8b (minibatch.perf); one run per row")
     args = ap.parse_args(argv)
+    if args.simulate:
+        args.repeats = 1
+        print(f"clock: simulated, {args.simulate} (minibatch.perf's roofline): tok/s, speedup and costs simulated; "
+              f"tau real")
     return bench_trees(args)
 
 
