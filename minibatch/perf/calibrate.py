@@ -11,7 +11,7 @@ Three microbenchmarks, each the best of several runs (noise only slows):
 
 Then the part no microbenchmark sees, the engine's own time outside its operators (scheduling, building the
 flat batch, Python), and what the shipped model's eager PyTorch forward dispatches per counted kernel:
-a short calibration run of the real engine (decode batches of 1, 4 and 16 rows and a prompt) whose
+a short calibration run of the real engine (decode batches of 1, 8 and 32 rows and their prompts) whose
 CPU step times (``StepTrace.cpu_duration``) are fitted, by least squares of relative errors, as
 roofline + launches x op overhead + b + c x rows + e x tokens, with ``step_overhead`` = b,
 ``row_overhead`` = c and ``token_overhead`` = e (each clipped at >= 0). (The launches per step hardly
@@ -62,13 +62,13 @@ def measure_op_overhead() -> float:
 
 
 def _calibration_traces(model):
-    """Traces of a short real run: prompts (whole, up to 300 tokens), then decode batches of 1, 4 and 16 rows
+    """Traces of a short real run: prompts (whole, up to 300 tokens), then decode batches of 1, 8 and 32 rows
     (not the validation mix: no chunks beside decodes, no drafts)."""
     from minibatch.engine.llm import LLM
     from minibatch.engine.sampler import SamplingParams
     from minibatch.trace import TraceRecorder
     traces = []
-    for bs in (1, 4, 16):
+    for bs in (1, 8, 32):
         llm = LLM(model, max_num_seqs=bs)
         rec = TraceRecorder()
         llm.generate(["def main():\n"] * bs, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm

@@ -200,7 +200,13 @@ class CostModel:
             t += passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in prop)
         rows = self.target_rows(trace)
         return (t + hw.step_overhead + hw.row_overhead * len(rows)
-                + hw.token_overhead * (sum(q for q, _, _ in rows) + sum(n * d for n, d, _ in trace.drafted)))
+                + hw.token_overhead * (sum(q for q, _, _ in rows) + self._draft_tokens(trace)))
+
+    def _draft_tokens(self, trace) -> int:
+        """Tokens the proposer fed: one per draft over its passes (Medusa: one row per sequence, one pass)."""
+        if trace.speculative_method in (None, "ngram"):
+            return 0
+        return len(trace.drafted) if trace.speculative_method == "medusa" else sum(n for n, _, _ in trace.drafted)
 
     def propose_time(self, trace) -> float:
         """The proposer's share of ``step_time``: its operators and launches (0 without drafts)."""
@@ -210,8 +216,7 @@ class CostModel:
         hw, depth = self.hw, max(d for _, d, _ in trace.drafted)
         passes = 1 if trace.speculative_method == "medusa" else depth
         launches = passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in ops)
-        return sum(max(self.op_time(o)) for o in ops) + launches + hw.token_overhead * sum(n * d for n, d, _ in
-                                                                                           trace.drafted)
+        return sum(max(self.op_time(o)) for o in ops) + launches + hw.token_overhead * self._draft_tokens(trace)
 
     def step_time(self, trace) -> float:
         """Seconds the step would take: the operators' roofline times plus the overheads."""
