@@ -135,15 +135,15 @@ def bench_speculative(args) -> list:
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
     print(f"device: {model.device}; target {model.num_params():,} parameters; methods {', '.join(methods)}")
+    if getattr(args, "simulate", None):
+        args.repeats = 1
+        print(f"clock: simulated, {args.simulate} (minibatch.perf's roofline; the draft costed as "
+              f"{draft_name(args.simulate)}): tok/s, speedup and cost are simulated, alpha and tau are real")
     docs = val_documents(32, min_len=600, seed=11)
     prompts = [d[:160].decode("utf-8", "ignore") for d in docs]
     print(f"each row: best of {args.repeats} runs, alternating with plain decoding (base) on the same code prompts; "
           f"spread = lowest-highest per-round ratio;\nformula = (1 - a^(k+1)) / (1 - a); cost = proposer time per "
           f"step / plain decode step; predicted = formula / (1 + cost) (Leviathan et al. 2023)")
-    if getattr(args, "simulate", None):
-        args.repeats = 1
-        print(f"clock: simulated, {args.simulate} (minibatch.perf's roofline; the draft costed as "
-              f"{draft_name(args.simulate)}): tok/s, speedup and cost are simulated, alpha and tau are real")
     print(HEADER)
     rows = []
     for temp, label in ((0.0, "low"), (1.0, "high")):

@@ -182,25 +182,18 @@ class CostModel:
                         "intensity": op.flops / op.bytes if op.bytes else math.inf})
         return out
 
-    def overhead(self, trace) -> float:
-        """Launches (per kernel, or one graph replay per pure-decode pass) + the host's per-step and per-row time."""
-        hw = self.hw
+    def target_overhead(self, trace) -> float:
+        """The target forward's launches (per kernel, or one graph replay for a uniform decode step) + the
+        host's time per step, per row and per token."""
+        hw, rows = self.hw, self.target_rows(trace)
         # vLLM V1 replays a graph for a uniform decode batch: every row a decode of the same length (1, or 1 + k)
-        pure_decode = (trace.scheduled and all(s.phase == "decode" for s in trace.scheduled)
-                       and len({s.num_tokens for s in trace.scheduled}) == 1 and not trace.num_padding_slots)
-        target = self.forward_ops(self.model, self.target_rows(trace))
-        if hw.cuda_graphs and pure_decode:
+        uniform = (trace.scheduled and all(s.phase == "decode" for s in trace.scheduled)
+                   and len({s.num_tokens for s in trace.scheduled}) == 1 and not trace.num_padding_slots)
+        if hw.cuda_graphs and uniform:
             t = hw.graph_overhead
         else:
-            t = hw.launch_overhead * sum(o.kernels for o in target)
-        prop = self.propose_ops(trace)
-        if prop:
-            depth = max(d for _, d, _ in trace.drafted)
-            passes = 1 if trace.speculative_method == "medusa" else depth
-            t += passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in prop)
-        rows = self.target_rows(trace)
-        return (t + hw.step_overhead + hw.row_overhead * len(rows)
-                + hw.token_overhead * (sum(q for q, _, _ in rows) + self._draft_tokens(trace)))
+            t = hw.launch_overhead * sum(o.kernels for o in self.forward_ops(self.model, rows))
+        return t + hw.step_overhead + hw.row_overhead * len(rows) + hw.token_overhead * sum(q for q, _, _ in rows)
 
     def _draft_tokens(self, trace) -> int:
         """Tokens the proposer fed: one per draft over its passes (Medusa: one row per sequence, one pass)."""
@@ -209,7 +202,8 @@ class CostModel:
         return len(trace.drafted) if trace.speculative_method == "medusa" else sum(n for n, _, _ in trace.drafted)
 
     def propose_time(self, trace) -> float:
-        """The proposer's share of ``step_time``: its operators and launches (0 without drafts)."""
+        """The proposer's share of ``step_time``: its operators, its launches (a graph replay per pass with
+        graphs on) and its tokens' host time (0 without drafts)."""
         ops = self.propose_ops(trace)
         if not ops:
             return 0.0
@@ -222,4 +216,5 @@ class CostModel:
         """Seconds the step would take: the operators' roofline times plus the overheads."""
         if not trace.scheduled:
             return 0.0
-        return sum(b["time_s"] for b in self.breakdown(trace)) + self.overhead(trace)
+        target = sum(max(self.op_time(o)) for o in self.forward_ops(self.model, self.target_rows(trace)))
+        return target + self.target_overhead(trace) + self.propose_time(trace)
