@@ -135,3 +135,28 @@ def test_ideal_fcfs_slot_schedule_by_hand():
     assert fcfs_bound([4, 1, 4, 1], 2) == pytest.approx(8 / 5)           # static 4 + 4; FCFS: 4 | 1, 4 -> 5
     with pytest.raises(ValueError):
         fcfs_schedule_steps([], 2)
+
+
+def test_retime_and_compare_clocks_read_only_the_traces():
+    from minibatch.perf import compare_clocks, retime
+    llm = LLM("target", max_num_seqs=2)                   # no simulate: a plain run, re-timed afterwards
+    rec = TraceRecorder()
+    llm.llm_engine.add_hook(rec)
+    llm.generate(["def f(x):\n", "import os\n"], SamplingParams(temperature=0, max_tokens=5))
+    cm = CostModel.from_spec(SPEC)
+    tr = retime(rec.traces, SPEC)
+    assert [t.simulated_duration for t in tr] == [cm.step_time(t) for t in tr]
+    text = compare_clocks({"a": rec.traces[:3], "b": rec.traces}, SPEC)
+    assert "simulated" in text and text.splitlines()[1].split()[:3] == ["a", str(sum(
+        len(x.new_token_ids) for t in rec.traces[:3] for x in t.scheduled)), "3"]
+    with pytest.raises(ValueError):
+        compare_clocks({}, SPEC)
+
+
+def test_slo_option():
+    import argparse
+    from minibatch.bench.online import parse_slo
+    assert parse_slo("ttft=0.5,tpot=0.05") == {"ttft": 0.5, "tpot": 0.05}
+    for bad in ("ttft=0", "latency=1", "ttft"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_slo(bad)
