@@ -102,3 +102,19 @@ def test_bad_specs_name_the_choices():
     with pytest.raises(ValueError, match="peak_flops"):
         HardwareProfile("x", {"int4": 1.0}, 1.0, 1.0, 0.0)
     assert get_hardware("h100").sources["mem_bandwidth"].startswith("same datasheet")
+
+
+def test_validation_classifies_steps_and_measures_relative_error():
+    from minibatch.perf.validate import errors, format_errors, step_kind
+    d, p = trace([(1, 5), (1, 7)]), trace([(8, 0)], phase="prefill")
+    mixed = trace([(1, 5)])
+    mixed.scheduled += trace([(8, 0)], phase="prefill").scheduled
+    verify = trace([(4, 5)])
+    verify.scheduled[0].proposed = 3
+    tree = trace([(9, 5)])
+    tree.scheduled[0].proposed, tree.scheduled[0].draft_parents = 8, [-1, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert [step_kind(t) for t in (p, mixed, d, verify, tree)] == ["prefill", "mixed", "decode", "verify", "tree"]
+    cm = CostModel(HW, TOY)
+    d.cpu_duration = cm.step_time(d) * 1.25                     # predicted 20 % under the measurement
+    errs = errors([d], cm)
+    assert errs["decode"] == [pytest.approx(0.2)] and "decode" in format_errors(errs)
