@@ -10,7 +10,9 @@
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
 
 Timings are wall-clock on whatever device runs the model; both sides of every
-ratio run in this process, one after the other, after a warm-up.
+ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
+speculative, trees, online) times every step on a simulated GPU and model instead (``minibatch.perf``), and
+says so above its tables.
 """
 from __future__ import annotations
 
