@@ -31,6 +31,7 @@ class EngineConfig:
     order: str = "decode-first"                # or "prefill-first"
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
+    tensor_parallel_size: int = 1              # ranks the model's heads split over (minibatch/distributed/)
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -50,6 +51,12 @@ class EngineConfig:
         if self.speculative_config is not None:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)
+        _int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        method = (self.speculative_config or {}).get("method")
+        if self.tensor_parallel_size > 1 and method in ("eagle", "early_exit"):
+            raise ValueError(f"speculative method {method!r} drafts inside the target's KV cache (an extra layer or "
+                             f"scratch blocks written directly), which a head-split cache does not hold: use "
+                             f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""
