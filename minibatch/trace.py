@@ -76,6 +76,7 @@ class StepTrace:
     num_speculative_tokens: int = 0            # its k
     propose_duration: float = 0.0              # seconds of ``duration`` the proposer took (drafting for the next step)
     note: Optional[str] = None
+    instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (distributed/disagg.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,6 +32,7 @@ class EngineConfig:
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
     tensor_parallel_size: int = 1              # ranks the model's heads split over (minibatch/distributed/)
+    disaggregated: bool = False                # a prefill instance and a decode instance behind a router
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -52,6 +53,8 @@ class EngineConfig:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not isinstance(self.disaggregated, bool):
+            raise TypeError(f"disaggregated must be True or False, got {self.disaggregated!r}")
         method = (self.speculative_config or {}).get("method")
         if self.tensor_parallel_size > 1 and method in ("eagle", "early_exit"):
             raise ValueError(f"speculative method {method!r} drafts inside the target's KV cache (an extra layer or "
