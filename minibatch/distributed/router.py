@@ -114,7 +114,7 @@ class DisaggregatedEngine:
         """What the instances reported since the last call (waiting a little for something, if nothing)."""
         if self._procs is None:
             return []
-        outputs, deadline = {}, time.perf_counter() + 0.5
+        outputs, deadline = {}, time.perf_counter() + 0.05   # short: a server's loop has commands to take
         while not outputs and time.perf_counter() < deadline and self.requests:
             self._alive()
             for name in INSTANCES:
