@@ -23,7 +23,7 @@ def _toks(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_disaggregated_equals_colocated_and_leaks_nothing(target_model):
+def test_disaggregated_equals_colocated_and_leaks_nothing(target_model, tmp_path):
     kw = dict(max_num_seqs=4, block_size=8, max_num_batched_tokens=64)   # 64: the long prompt takes 5 chunks
     greedy = SamplingParams(temperature=0, max_tokens=24)
     seeded = [SamplingParams(temperature=0.9, seed=i, max_tokens=24) for i in range(len(PROMPTS))]
@@ -53,6 +53,7 @@ def test_disaggregated_equals_colocated_and_leaks_nothing(target_model):
         assert {n: (s["num_free_blocks"], s["live"]) for n, s in stats.items()} == \
             {n: (s["num_blocks"], 0) for n, s in stats.items()}
         assert stats["decode"]["prefix_cache_hits"] >= 3 * 2       # 3 repeats of 2 full blocks
+        _drawn(rec, eng.transfers, tmp_path)
     finally:
         two.llm_engine.shutdown()
 
@@ -79,3 +80,22 @@ def test_bad_input_and_a_decode_instance_killed_in_flight(target_model):
         assert stats["prefill"]["num_free_blocks"] == stats["prefill"]["num_blocks"]
     finally:
         eng.shutdown()
+
+
+def _drawn(rec, transfers, tmp_path):
+    """The renderer and the demo's files, on this run's traces: both pools, an arrow per block moved."""
+    import dataclasses
+
+    from minibatch.bench.demo import run_demo
+    from minibatch.bench.demo_disagg import write
+    from minibatch.viz.disagg import draw_frame, frames
+    chosen = frames(rec.traces, transfers, max_frames=1000)
+    moved = [f for f in chosen if f[3] and f[1] is not None and f[2] is not None]   # both pools drawn
+    assert sum(len(f[3]) for f in chosen) == len(transfers) and moved
+    drawn = draw_frame(rec.traces, transfers, moved[0])
+    assert len(drawn["arrows"]) == sum(min(len(t.src_blocks), len(t.dst_blocks)) for t in moved[0][3]) > 0
+    rec.meta["scenario"], rec.meta["transfers"] = "disaggregated", [dataclasses.asdict(t) for t in transfers]
+    gif, json_path = write(rec, tmp_path / "d.gif", small=True)
+    assert gif.stat().st_size > 0 and json_path.is_file()
+    assert run_demo(str(json_path), out=str(tmp_path / "replay.png")) == 0      # no model: the saved run
+    assert (tmp_path / "replay.png").stat().st_size > 0

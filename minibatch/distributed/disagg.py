@@ -70,9 +70,10 @@ def _stats(eng) -> dict:
             "live": len(eng.scheduler.live_seq_ids()), "prefix_cache_hits": a.hits}
 
 
-def _trace_hook(out, name):
+def _trace_hook(out, name, eng):
     def hook(trace):
         trace.instance = name
+        trace.time += eng.t0          # time.perf_counter: one clock for every process of the machine
         out.put(("trace", trace.to_dict()))
     return hook
 
@@ -86,7 +87,7 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
         sender = KVSender(eng.kv_cache, eng.config.block_size, wants=lambda seq: seq.request_id in goes_on)
         eng.scheduler.kv_connector = sender
         if traced:
-            eng.add_hook(_trace_hook(out, "prefill"))
+            eng.add_hook(_trace_hook(out, "prefill", eng))
 
         def header(seq, shape, tr):
             g = seq.generator
@@ -162,7 +163,7 @@ def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from
     try:
         eng = _engine(model_cfg, state, engine_cfg, device)
         if traced:
-            eng.add_hook(_trace_hook(out, "decode"))
+            eng.add_hook(_trace_hook(out, "decode", eng))
         arrived, aborted = [], set()                       # (header, kv) received, not yet admitted
         while True:
             idle = not eng.has_unfinished_requests() and not arrived

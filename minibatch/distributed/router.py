@@ -136,6 +136,7 @@ class DisaggregatedEngine:
                 del self.requests[o.request_id]
         elif kind == "transfer":                 # the two ends report on two queues, in either order
             tr = self._transfer[msg[1].request_id] = msg[1]
+            tr.t_start -= self.t0                # the router's clock, as its traces
             self.transfers.append(tr)
             tr.dst_blocks = self._arrived.pop(tr.request_id, tr.dst_blocks)
             if tr.request_id in self.requests:
@@ -147,6 +148,7 @@ class DisaggregatedEngine:
                 self._arrived[msg[1]] = msg[2]
         elif kind == "trace":
             trace = StepTrace.from_dict(msg[1])
+            trace.time -= self.t0
             for fn in self.hooks:
                 fn(trace)
 
