@@ -78,7 +78,7 @@ def _trace_hook(out, name, eng):
     return hook
 
 
-def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_decode, traced) -> None:
+def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_decode) -> None:
     torch.set_num_threads(1)
     comm.init(PREFILL_RANK, 2, addr, port, device)
     try:
@@ -86,8 +86,8 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
         goes_on: dict = {}                        # request id -> its real params, for those that decode elsewhere
         sender = KVSender(eng.kv_cache, eng.config.block_size, wants=lambda seq: seq.request_id in goes_on)
         eng.scheduler.kv_connector = sender
-        if traced:
-            eng.add_hook(_trace_hook(out, "prefill", eng))
+        eng.add_hook(_trace_hook(out, "prefill", eng))        # a step's trace: a few KB through the queue
+        out.put(("ready",))
 
         def header(seq, shape, tr):
             g = seq.generator
@@ -157,13 +157,13 @@ def admit_prefilled(eng, hdr: dict, kv: torch.Tensor) -> bool:
     return True
 
 
-def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from_prefill, traced) -> None:
+def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from_prefill) -> None:
     torch.set_num_threads(1)
     comm.init(DECODE_RANK, 2, addr, port, device)
     try:
         eng = _engine(model_cfg, state, engine_cfg, device)
-        if traced:
-            eng.add_hook(_trace_hook(out, "decode", eng))
+        eng.add_hook(_trace_hook(out, "decode", eng))
+        out.put(("ready",))
         arrived, aborted = [], set()                       # (header, kv) received, not yet admitted
         while True:
             idle = not eng.has_unfinished_requests() and not arrived

@@ -37,13 +37,13 @@ class DisaggregatedEngine:
         self.transfers: list = []                # kv_transfer.Transfer, in the order they were sent
         self.requests: dict = {}                 # unfinished request id -> "prefill" | "decode"
         self.step_count, self.t0 = 0, time.perf_counter()
-        self._traced = False
         self._procs = None
         self._dead, self._failed = {}, []
         self._transfer, self._arrived = {}, {}   # request id -> its Transfer; blocks reported before it
+        self._start()
 
     def _start(self) -> None:
-        """The instances start at the first request, so hooks added before it see every step."""
+        """Both instances started, their engines built (each says "ready"), before the first request."""
         ctx = comm.spawn_context()
         self._ctl = {name: ctx.Queue() for name in INSTANCES}
         self._out = {name: ctx.Queue() for name in INSTANCES}
@@ -56,20 +56,26 @@ class DisaggregatedEngine:
         self._procs = {
             "prefill": ctx.Process(target=prefill_main, daemon=True, name="minibatch-prefill",
                                    args=(addr, port, m.config.to_dict(), state, cfg, dev, self._ctl["prefill"],
-                                         self._out["prefill"], handoff, bool(self.hooks))),
+                                         self._out["prefill"], handoff)),
             "decode": ctx.Process(target=decode_main, daemon=True, name="minibatch-decode",
                                   args=(addr, port, m.config.to_dict(), state, cfg, dev, self._ctl["decode"],
-                                        self._out["decode"], handoff, bool(self.hooks)))}
+                                        self._out["decode"], handoff))}
         for p in self._procs.values():
             p.start()
-        self._traced = bool(self.hooks)
         weakref.finalize(self, _stop, self._procs, self._ctl)
+        waiting, deadline = set(INSTANCES), time.perf_counter() + 120
+        while waiting:
+            self._alive()
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the {' and '.join(sorted(waiting))} instance(s) did not start within 120 s")
+            for name in list(waiting):
+                if any(msg[0] == "ready" for msg in _drain(self._out[name], block=False)):
+                    waiting.discard(name)
+            time.sleep(POLL_S)
 
     # -- LLMEngine's surface -------------------------------------------------------------------------------
     def add_hook(self, fn: Callable) -> None:
-        if self._procs is not None and not self._traced:
-            raise RuntimeError("add hooks to a disaggregated engine before its first request: the instances "
-                               "decide at start whether to send their step traces")
+        """fn(StepTrace) for every step of either instance (``trace.instance`` says whose), on the router's clock."""
         self.hooks.append(fn)
 
     def add_request(self, request_id: str, prompt, params: Optional[SamplingParams] = None, priority: int = 0,
@@ -94,8 +100,6 @@ class DisaggregatedEngine:
                              f"({self.num_blocks}): it could never finish")
         if params.n != 1:
             raise ValueError("disaggregated=True serves n = 1 (a fork would have to cross the instances)")
-        if self._procs is None:
-            self._start()
         self._alive()
         self._ctl["prefill"].put(("add", request_id, prompt_ids, params, priority,
                                   time.perf_counter() if arrival_time is None else arrival_time))
@@ -112,8 +116,6 @@ class DisaggregatedEngine:
 
     def step(self) -> list:
         """What the instances reported since the last call (waiting a little for something, if nothing)."""
-        if self._procs is None:
-            return []
         outputs, deadline = {}, time.perf_counter() + 0.05   # short: a server's loop has commands to take
         while not outputs and time.perf_counter() < deadline and self.requests:
             self._alive()
@@ -146,7 +148,7 @@ class DisaggregatedEngine:
                 self._transfer[msg[1]].dst_blocks = msg[2]
             else:
                 self._arrived[msg[1]] = msg[2]
-        elif kind == "trace":
+        elif kind == "trace" and self.hooks:
             trace = StepTrace.from_dict(msg[1])
             trace.time -= self.t0
             for fn in self.hooks:
