@@ -123,3 +123,17 @@ def test_a_worker_killed_mid_run_stops_the_engine_naming_its_rank(target_model):
         assert len(again.generate(["x"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids) == 2
     finally:
         again.llm_engine.shutdown()
+
+
+def test_the_heads_figure_matches_the_split(target_model):
+    """The figure says what shard_gpt does: rank r's cache heads are r·H/W .. (r+1)·H/W - 1 of the full model."""
+    from minibatch.viz.tensor_parallel import draw_tp_heads, head_owner
+    drawn = draw_tp_heads(4, 4, 2)
+    assert drawn["owners"][0] == [0, 0, 1, 1] and len(drawn["owners"]) == 4
+    shard = shard_gpt(target_model, 1, 2)
+    full_w = target_model.h[0].attn.c_attn.weight          # [3C, C]: q rows 0..C-1
+    D = target_model.config.head_dim
+    heads = [h for h in range(4) if head_owner(h, 4, 2) == 1]
+    assert torch.equal(shard.h[0].attn.c_attn.weight[:2 * D], full_w[heads[0] * D:(heads[-1] + 1) * D])
+    with pytest.raises(ValueError, match="do not divide"):
+        head_owner(0, 4, 3)
