@@ -23,7 +23,8 @@ def _generate(args) -> int:
             raise ValueError("give --speculative (with -k) or --speculative-config, not both")
         spec = {"method": args.speculative, "num_speculative_tokens": args.k}
     try:
-        llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec)
+        llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
+                  tensor_parallel_size=args.tensor_parallel_size)
         t = time.perf_counter()
         out = llm.generate([args.prompt], params)[0]
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, as vLLM takes it, e.g. \'{"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, '
                         '"depth": 5, "topk": 4}\'')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree")
     d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), "
                                     "or a saved trace (.json) to replay")

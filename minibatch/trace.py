@@ -84,6 +84,7 @@ class StepTrace:
     simulated_duration: Optional[float] = None # ... and the step's duration on it (minibatch/perf/cost.py)
     cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
                                                # ``duration`` without the waits of a shared machine (perf/validate.py)
+    instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (distributed/disagg.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,7 +34,7 @@ from minibatch.engine.engine import LLMEngine
 from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
-SCENARIOS = ("continuous", "static", "paged", "speculative", "tree")
+SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "disaggregated")
 OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
 SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
 TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5, "topk": 4}
@@ -229,6 +229,18 @@ def _write_tree_step(rec: TraceRecorder, path: pathlib.Path, small: bool) -> pat
     return path
 
 
+def _disaggregated(rec, path, text_only: bool, small: bool) -> int:
+    from minibatch.bench import demo_disagg
+    if text_only:
+        from minibatch.viz.text import print_trace
+        print_trace(rec)
+    for line in demo_disagg.summary(rec):
+        print(line)
+    if not text_only:
+        print("wrote " + ", ".join(str(p) for p in demo_disagg.write(rec, path, small)))
+    return 0
+
+
 def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = False, simulate=None) -> int:
     """simulate='h100:llama-3-8b': also print each run re-timed on that GPU and model (``minibatch.perf``)."""
     if simulate is not None:                           # a bad profile fails before the run
@@ -252,6 +264,8 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
         rec = TraceRecorder.load(scenario)
         name = rec.meta.get("scenario", pathlib.Path(scenario).stem)
         runs = {name: (rec, None)}
+        if name == "disaggregated":
+            return _disaggregated(rec, path, text_only, small)
     elif scenario not in SCENARIOS:
         raise ValueError(f"unknown demo scenario {scenario!r}; choose one of {list(SCENARIOS)} "
                          f"or the path of a saved trace (.json)")
@@ -259,6 +273,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
         from minibatch.model.weights import load_model
         model = load_model("target")
         print(f"running the {scenario!r} demo on {model.device} ...")
+        if scenario == "disaggregated":                 # two instances: a renderer of its own
+            from minibatch.bench.demo_disagg import record
+            return _disaggregated(record(model, small), path, text_only, small)
         if scenario in ("continuous", "static"):
             runs = scenario_batching(model, small)
             if scenario == "static":

@@ -8,6 +8,7 @@
     python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
     python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
+    python -m minibatch.bench disagg       colocated vs disaggregated prefill/decode: TTFT and TPOT under load
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -153,7 +154,7 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
           "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve",
-          "trees": "minibatch.bench.trees"}
+          "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg"}
 
 
 def main(argv=None):

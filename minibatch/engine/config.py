@@ -34,6 +34,8 @@ class EngineConfig:
     simulate: Optional[str] = None             # "h100:llama-3-8b": also time every step on that hardware and model,
                                                # a simulated clock (minibatch/perf); the KV pool gets its budget
     gpu_memory_utilization: float = 0.9        # simulate: the share of device memory for weights + KV (vLLM's name)
+    tensor_parallel_size: int = 1              # ranks the model's heads split over (minibatch/distributed/)
+    disaggregated: bool = False                # a prefill instance and a decode instance behind a router
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -57,6 +59,14 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.simulate is not None:
             self.cost_model()                      # an unknown profile or a malformed string fails here, named
+        _int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not isinstance(self.disaggregated, bool):
+            raise TypeError(f"disaggregated must be True or False, got {self.disaggregated!r}")
+        method = (self.speculative_config or {}).get("method")
+        if self.tensor_parallel_size > 1 and method in ("eagle", "early_exit"):
+            raise ValueError(f"speculative method {method!r} drafts inside the target's KV cache (an extra layer or "
+                             f"scratch blocks written directly), which a head-split cache does not hold: use "
+                             f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
 
     def cost_model(self):
         """The simulated clock's CostModel (minibatch/perf/cost.py), or None without ``simulate``."""

@@ -13,6 +13,7 @@ The step-level interface is vLLM's ``LLMEngine``: ``add_request``,
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -43,13 +44,20 @@ class LLMEngine:
         # (as in HF generate or FasterTransformer). When that token starts a new block, its K/V goes to a
         # scratch block past the allocator's pool (ids num_blocks, ...), which no sequence ever owns.
         num_scratch = c.max_num_seqs if c.scheduling == "static" else 0
+        self.tp_group = tp_cache = None
+        if c.tensor_parallel_size > 1:             # the model split by heads over worker processes (distributed/)
+            from minibatch.distributed.tp_engine import start
+            model, tp_cache, self.tp_group = start(model, c, num_blocks + num_scratch)
+            self.model = model
+            weakref.finalize(self, self.tp_group.close)      # the workers stop with the engine, or at exit
         self.proposer = make_proposer(c.speculative_config, model, draft_model, c)
         # A proposer that drafts inside this cache (early exit, EAGLE) gets its scratch blocks after those,
         # and EAGLE one cache layer of its own after the target's (spec_decode/scratch.py).
         p = self.proposer
         num_draft = p.num_scratch_blocks(c.max_num_seqs, c.block_size) if p else 0
-        self.kv_cache = KVCache(mc.n_layer + (p.extra_kv_layers if p else 0), num_blocks + num_scratch + num_draft,
-                                c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device)
+        self.kv_cache = tp_cache if tp_cache is not None else \
+            KVCache(mc.n_layer + (p.extra_kv_layers if p else 0), num_blocks + num_scratch + num_draft,
+                    c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device)
         if p:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else Scheduler
@@ -104,6 +112,11 @@ class LLMEngine:
         self.requests[request_id] = req
         self._num_added += 1
         self.scheduler.add(seq)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit); an engine without them has nothing to stop."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(str(request_id), None)

@@ -34,7 +34,12 @@ class LLM:
         self.model = load_model(model, device=device, dtype=dtype) if isinstance(model, str) else model
         if isinstance(draft_model, str):
             draft_model = load_model(draft_model, device=self.model.device, dtype=self.model.dtype)
-        self.llm_engine = LLMEngine(self.model, EngineConfig(**engine_kwargs), draft_model)
+        config = EngineConfig(**engine_kwargs)
+        if config.disaggregated:             # a prefill and a decode instance behind a router, LLMEngine's surface
+            from minibatch.distributed.router import DisaggregatedEngine
+            self.llm_engine = DisaggregatedEngine(self.model, config, draft_model)
+        else:
+            self.llm_engine = LLMEngine(self.model, config, draft_model)
         self._counter = 0
 
     @property

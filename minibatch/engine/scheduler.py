@@ -104,6 +104,9 @@ class SchedulerBase:
         # Slots a verify may take past a sequence's own tokens: a tree of N drafts and depth d is written to N
         # slots but keeps at most d of them (the engine sets it from its proposer; a chain needs none).
         self.num_lookahead_slots = 0
+        # Disaggregated serving's prefill side: told of each finished sequence before its blocks are freed
+        # (vLLM's KVConnector.request_finished; minibatch/distributed/kv_transfer.py). None: nobody listens.
+        self.kv_connector = None
 
     # -- queues -------------------------------------------------------------------------
     def check_request(self, seq: Sequence) -> None:
@@ -134,6 +137,8 @@ class SchedulerBase:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if self.kv_connector is not None and self.allocator.has_seq(seq.seq_id):
+            self.kv_connector.request_finished(seq, self.allocator.block_table(seq.seq_id))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

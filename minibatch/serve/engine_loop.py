@@ -204,6 +204,13 @@ class EngineLoop:
 
     def _on_idle(self) -> None:
         """No unfinished request: every block must be back in the pool (cached-free counts as free)."""
+        if hasattr(self.engine, "pool_stats"):        # disaggregated: each instance checks its own pool
+            for name, st in self.engine.pool_stats().items():
+                if st["num_free_blocks"] != st["num_blocks"]:
+                    self.error = (f"the {name} instance holds {st['num_blocks'] - st['num_free_blocks']} blocks "
+                                  f"with no request left")
+                    log.error(self.error)
+            return
         a = self.engine.allocator
         if self.metrics:
             self.metrics.observe_idle(a.num_free_blocks, a.num_blocks)

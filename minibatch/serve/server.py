@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="most unfinished requests (running + waiting); past it new ones get 503")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's heads over this many processes (minibatch/distributed/)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="a prefill instance and a decode instance behind this endpoint (minibatch/distributed/)")
     p.add_argument("--log-level", default="info")
 
 
@@ -49,7 +53,8 @@ def make_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
                enable_prefix_caching=args.enable_prefix_caching, scheduling=args.scheduling,
-               attention_backend=args.attention_backend, speculative_config=spec)
+               attention_backend=args.attention_backend, speculative_config=spec,
+               tensor_parallel_size=args.tensor_parallel_size, disaggregated=args.disaggregated)
 
 
 def serve(args) -> int:
