@@ -99,3 +99,34 @@ def _drawn(rec, transfers, tmp_path):
     assert gif.stat().st_size > 0 and json_path.is_file()
     assert run_demo(str(json_path), out=str(tmp_path / "replay.png")) == 0      # no model: the saved run
     assert (tmp_path / "replay.png").stat().st_size > 0
+
+
+def test_the_simulated_pair_decodes_what_one_engine_does_and_pays_the_transfer(target_model):
+    """distributed/sim.py: two in-process engines on one simulated clock; same tokens as a colocated engine,
+    and no first decode step before its transfer could have crossed the interconnect."""
+    from minibatch.bench.workload import make_workload
+    from minibatch.distributed.sim import run_disaggregated_simulated
+    from minibatch.perf.cost import CostModel
+    wl = make_workload("longtail", num_requests=6, seed=1, arrival="poisson", rate=50.0, prompt_len=(40, 120))
+    traces, arrivals = run_disaggregated_simulated(target_model, wl, "h100:llama-3-8b", max_num_seqs=4)
+    toks = {}
+    for t in traces:
+        for s in t.scheduled:
+            toks.setdefault(s.request_id, []).extend(s.new_token_ids)
+    one = LLM(target_model, max_num_seqs=4)
+    want = {r.request_id: o.outputs[0].token_ids
+            for r, o in zip(wl, one.generate([r.prompt for r in wl], [r.sampling_params() for r in wl]))}
+    assert toks == want
+    cost = CostModel.from_spec("h100:llama-3-8b")
+    first_prefill = {s.request_id: t.simulated_time + t.simulated_duration
+                     for t in traces if t.instance == "prefill" for s in t.scheduled if s.new_token_ids}
+    first_decode = {}
+    for t in traces:
+        if t.instance == "decode":
+            for s in t.scheduled:
+                first_decode.setdefault(s.request_id, t.simulated_time)
+    for r in wl:
+        if r.request_id in first_decode:
+            crossing = cost.model.kv_bytes_per_token * len(r.prompt.encode()) / cost.hw.interconnect_bandwidth
+            assert first_decode[r.request_id] >= first_prefill[r.request_id] + crossing - 1e-12
+    assert set(first_decode) and {t.instance for t in traces} == {"prefill", "decode"}

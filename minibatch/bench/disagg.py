@@ -12,6 +12,12 @@ thread, the pair on two processes (one thread each), as DistServe compares one i
 1 + 1 pair; so the table also runs the colocated engine with 2 threads (``colocated-2t``). Both sides see the
 same requests (prompts, lengths, arrival times), alternately, ``--repeats`` rounds; a row keeps its best
 (lowest p90 TPOT) round and prints the range of p90 TPOT over rounds.
+
+``--simulate h100:llama-3-8b`` asks DistServe's question on the simulated clock instead (``minibatch.perf``;
+``distributed/sim.py``): one colocated instance on 2 devices (tensor parallelism, ``2xh100:llama-3-8b``) against a
+prefill instance and a decode instance of one device each, the K/V crossing the profile's interconnect; goodput
+at ``--slo ttft=..,tpot=..`` (requests/s meeting both). Then the per-token latency of a model that does not fit one
+device (``--big llama-3-70b``) at tensor_parallel_size 2 and 4.
 """
 from __future__ import annotations
 
@@ -53,6 +59,54 @@ def compare(model, rates, num_requests, prompt_len, repeats, seed=0, **engine_kw
     return results
 
 
+def compare_simulated(model, spec: str, rates, num_requests, prompt_len, slo, seed=0, **engine_kwargs) -> dict:
+    """{(setup, rate): request_stats on the simulated clock}: colocated on 2 devices vs 1 prefill + 1 decode."""
+    from minibatch.distributed.sim import run_disaggregated_simulated
+    from minibatch.stats import request_stats
+    out = {}
+    for rate in rates:
+        wl = make_workload("longtail", num_requests=num_requests, seed=seed, arrival="poisson", rate=rate,
+                           prompt_len=prompt_len)
+        arrivals = {r.request_id: r.arrival_time for r in wl}
+        _, traces, _ = run_workload(model, wl, simulate=f"2x{spec}", **engine_kwargs)
+        out["colocated, 2 devices (TP=2)", rate] = request_stats(traces, "simulated", arrivals, slo)
+        traces, _ = run_disaggregated_simulated(model, wl, spec, **engine_kwargs)
+        out["1 prefill + 1 decode", rate] = request_stats(traces, "simulated", arrivals, slo)
+    return out
+
+
+def format_simulated(results: dict, slo: dict) -> str:
+    rows = ["| rate (req/s) | setup | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | SLO attainment | goodput (req/s) |",
+            "|---|---|---|---|---|---|"]
+    for (s, rate), r in results.items():
+        rows.append(f"| {rate:g} | {s} | {r['ttft_p50'] * 1e3:.1f} / {r['ttft_p90'] * 1e3:.1f} | "
+                    f"{r['tpot_p50'] * 1e3:.2f} / {r['tpot_p90'] * 1e3:.2f} | {r['slo_attainment']:.2f} | "
+                    f"{r['goodput']:.1f} |")
+    return f"clock: simulated (minibatch.perf's cost model, not measured); SLO {slo}\n" + "\n".join(rows)
+
+
+def big_model_latency(model, hw: str, big: str, tps=(2, 4)) -> str:
+    """One request's TTFT and TPOT for a model too big for one device, at each tensor-parallel degree."""
+    from minibatch.engine.llm import LLM
+    from minibatch.engine.sampler import SamplingParams
+    from minibatch.stats import request_stats
+    from minibatch.trace import TraceRecorder
+    lines = []
+    try:
+        LLM(model, simulate=f"{hw}:{big}")
+    except ValueError as e:
+        lines.append(f"{hw}:{big} on one device: {e}")
+    for tp in tps:
+        llm = LLM(model, simulate=f"{tp}x{hw}:{big}", max_num_seqs=1)
+        rec = TraceRecorder()
+        llm.llm_engine.add_hook(rec)
+        llm.generate(["def fib(n):\n" * 20], SamplingParams(temperature=0, max_tokens=64))
+        r = request_stats(rec.traces, "simulated")
+        lines.append(f"{tp}x{hw}:{big}, batch 1, 240-token prompt: TTFT {r['ttft_p50'] * 1e3:.1f} ms, "
+                     f"TPOT {r['tpot_p50'] * 1e3:.2f} ms ({1 / r['tpot_p50']:.0f} tokens/s), simulated")
+    return "\n".join(lines)
+
+
 def format_results(results: dict) -> str:
     rows = ["| rate (req/s) | setup | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) [p90 range] | output tok/s |",
             "|---|---|---|---|---|"]
@@ -74,10 +128,24 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--simulate", default=None, metavar="HW:MODEL",
+                    help="DistServe's comparison on the simulated clock, e.g. h100:llama-3-8b")
+    ap.add_argument("--slo", default="ttft=0.2,tpot=0.006", help="with --simulate: goodput's SLOs, in seconds")
+    ap.add_argument("--big", default="llama-3-70b", help="with --simulate: a model too big for one device")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.num_requests < 1:
         ap.error("--repeats and --num-requests must be >= 1")
     model = load_model("target", device="cpu")
+    if args.simulate:
+        from minibatch.bench.online import parse_slo
+        slo = parse_slo(args.slo)
+        with torch.no_grad():
+            res = compare_simulated(model, args.simulate, args.rates, args.num_requests, args.prompt_len, slo,
+                                    args.seed, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens)
+            print(format_simulated(res, slo))
+            print(big_model_latency(model, args.simulate.split(":")[0], args.big))
+        return 0
     with torch.no_grad():
         res = compare(model, args.rates, args.num_requests, args.prompt_len, args.repeats, args.seed,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)

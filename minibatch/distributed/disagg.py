@@ -90,12 +90,7 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
         out.put(("ready",))
 
         def header(seq, shape, tr):
-            g = seq.generator
-            return {"request_id": seq.request_id, "prompt": seq.request.prompt, "prompt_ids": seq.token_ids[:-1],
-                    "first_token": seq.token_ids[-1], "params": goes_on.pop(seq.request_id),
-                    "arrival_time": seq.request.metrics.arrival_time,
-                    "first_token_time": seq.request.metrics.first_token_time, "shape": shape,
-                    "generator_state": None if g is None else g.get_state(), "transfer": tr}
+            return handoff_header(seq, goes_on.pop(seq.request_id), tr, shape)
         while True:
             for msg in _drain(ctl, block=not eng.has_unfinished_requests()):
                 if msg[0] == "shutdown":
@@ -129,6 +124,17 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
         raise SystemExit(1)
     finally:
         comm.shutdown()
+
+
+def handoff_header(seq, params, tr, shape=None) -> dict:
+    """What the decode side needs of a sequence whose prompt (and first token) the prefill side computed: its
+    tokens, the request's real params, its timings, the seeded generator's state (so seeded sampling goes on
+    where the first draw left it), the kv tensor's shape and the Transfer record."""
+    g = seq.generator
+    return {"request_id": seq.request_id, "prompt": seq.request.prompt, "prompt_ids": seq.token_ids[:-1],
+            "first_token": seq.token_ids[-1], "params": params, "arrival_time": seq.request.metrics.arrival_time,
+            "first_token_time": seq.request.metrics.first_token_time, "shape": shape,
+            "generator_state": None if g is None else g.get_state(), "transfer": tr}
 
 
 def admit_prefilled(eng, hdr: dict, kv: torch.Tensor) -> bool:
