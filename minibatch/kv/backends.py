@@ -227,14 +227,6 @@ def _triton_attend(query, key_cache, value_cache, md, scale):
                    scale, md.max_query_len, out, tree_bits=md.tree_bits)
 
 
-def _triton_checked(query, key_cache, value_cache, md, scale):
-    import kernels
-    if _pure_decode(query, md):
-        return kernels.flash_decode(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale)
-    return kernels.paged_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens,
-                                   md.query_start_loc, scale, **_tree(md))
-
-
 def _tree(md, fn=None) -> dict:
     """tree_bits=, only when the step has a tree: a student's function (ex2, ex9) has no such parameter, so a tree
     step that reaches one without it (``fn``) stops with a clear error rather than a TypeError deep inside."""
@@ -260,8 +252,9 @@ def get(backend: str, checked: bool = False):
             import kernels                        # lazily: the other backends need no Triton
         except ImportError as e:
             raise ImportError(f"the 'triton' backend needs the kernels package and Triton: {e}") from e
-        if checked:
-            return kernels.store_kv, _triton_checked
+        if checked:                               # the public, checked kernel (ex9 hands its decodes to a student's)
+            return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
+                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md))
         return _triton_store, lambda q, kc, vc, md, s: _triton_attend(q, kc, vc, md, s)   # by name: patchable
     if checked:
         attend = paged_attention_loop if backend == "loop" else paged_attention_batched
