@@ -16,14 +16,17 @@ This kernel fixes both, and was chosen by counting, as no GPU was at hand to tim
   width; never a length read back from the GPU), so the launch takes no host sync and, with a
   fixed-width table, has one shape per batch size (CUDA-graph friendly):
   ``splits = min(ceil(128 / (B * Hkv)), ceil(max_ctx / 64))``.
-  For the target at its 512-token context: B = 1 launches 4 x 8 = 32 programs (was 4), B = 16
+  For the target at its 512-token context (BLOCK_N = 32): B = 1 launches 4 x 8 = 32 programs (was 4), B = 16
   launches 64 x 2 = 128 (was 64); B >= 32 is one split and one launch, the same work as before.
   Bytes moved: K/V are read once either way (a fp16 512-token context: 4 heads x 512 x 64 x 2 x
   2 B = 512 KiB); the partials add B x H x splits x (D + 2) x 4 B = 8.4 KiB at B = 1 (1.6 %).
 - **What the compiler reports** (``tests/test_kernel_compile.py`` compiles every launch for sm_80 and
-  sm_90 and prints ``ptxas -v``): no shared memory for the split kernel (no ``tl.dot``) against the
-  general kernel's staging buffers, and registers within budget at 4 warps; the product tile is
-  capped at 4096 lanes (``BLOCK_N``) so the [G, BLOCK_N, D] temporaries stay in registers.
+  sm_90 and reads registers with ``cuobjdump -res-usage``). fp16, G = 1, D = 64, sm_90, 4 warps:
+  BLOCK_N = 64 keys per iteration takes 254 registers a thread (2 programs per SM fit), 32 takes 144
+  (3 per SM, 8 KiB of K/V loaded per iteration), 16 takes 89 (5 per SM, 4 KiB); none spills, and
+  shared memory is 512 B (the cross-warp sums; the general kernel stages 7 KiB for its ``tl.dot``).
+  At B = 1-16 there are about one program per SM, so bytes in flight per program count most; at
+  large B, programs per SM do. ``PRODUCT_LANES`` = 2048 (BLOCK_N = 32 for the target) sits between.
 
 The triton backend (``minibatch/kv/backends.py``) dispatches a step here when every sequence has
 exactly one new token and there is no tree; the rest (prefill, chunks, verify, trees) goes to
@@ -43,7 +46,7 @@ from kernels.paged_decode import check_decode_inputs
 
 TARGET_PROGRAMS = 128     # about one wave of programs on an A100 (108 SMs) or H100 (132 SMs)
 MIN_SPLIT_KEYS = 64       # fewer keys per split and the partials cost more than they save
-PRODUCT_LANES = 4096      # [BLOCK_G, BLOCK_N, BLOCK_D] fp32 lanes: 32 per thread at 4 warps
+PRODUCT_LANES = 2048      # [BLOCK_G, BLOCK_N, BLOCK_D] fp32 lanes: 16 per thread at 4 warps (see the docstring)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "keys_per_split"])
@@ -162,7 +165,7 @@ def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
     block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
     G = H // Hkv
     block_g, block_d = triton.next_power_of_2(G), triton.next_power_of_2(D)
-    block_n = max(16, min(64, PRODUCT_LANES // (block_g * block_d)))
+    block_n = max(8, min(64, PRODUCT_LANES // (block_g * block_d)))
     splits, keys = plan(B, Hkv, block_tables.shape[1] * block_size, block_n)
     if splits > 1:
         part_acc = torch.empty((B, H, splits, block_d), dtype=torch.float32, device=query.device)

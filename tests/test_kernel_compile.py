@@ -9,6 +9,7 @@ fp32, fp16 and bf16 (the float tensors rebuilt in that dtype with the same strid
 byte alignment is what a model of that dtype has), with the kernels' launches caught rather than run. Each
 caught launch goes through Triton's own specialisation (the binder that ``JITFunction.run`` builds, with the
 CUDA backend): dtypes, constexprs, arguments equal to 1, 16-divisible pointers and integers, exactly as on a GPU.
+The launchers are also called at the kernel tests' GQA/MQA layouts (the shipped models have none).
 Exercise 9's launcher is recorded too; its kernel is the student's, so the reference it stands for
 (``kernels/paged_decode.py``, the same parameters) is compiled at its launches.
 
@@ -93,6 +94,23 @@ def in_dtype(x, dtype):
     return base.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
+def gqa_calls():
+    """The launchers at the kernel tests' head layouts the shipped models lack: GQA, MQA, head_dim 24 and 128
+    (decode, a mixed batch, a tree), as [(module, args, kwargs)]."""
+    from test_kernels import make_batch
+    out = []
+    for (H, Hkv), D in (((8, 2), 128), ((32, 8), 64), ((4, 1), 24)):
+        b = make_batch([1, 1], [40, 9], 16, H, Hkv, D)
+        out.append(("kernels.flash_decode", (b["query"], b["key_cache"], b["value_cache"], b["block_tables"],
+                                             b["seq_lens"], 0.1, torch.empty_like(b["query"])), {}))
+        b = make_batch([1, 12, 5], [50, 30, 23], 16, H, Hkv, D)
+        args = [b[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")]
+        for tree in (None, torch.full((18,), -1, dtype=torch.int64)):
+            out.append(("kernels.paged_attention", (*args, 0.1, 12, torch.empty_like(b["query"])),
+                        {"tree_bits": tree}))
+    return out
+
+
 def ex9_calls():
     """Exercise 9's launcher at the graded test's layouts: MHA/GQA/MQA, int32/int64 tables, D 24/64."""
     sys.path.insert(0, str(ROOT / "tests" / "exercises"))
@@ -154,7 +172,9 @@ def compile_one(spec: dict, cap: int) -> dict:
     kernel = getattr(importlib.import_module(spec["kernel"][0]), spec["kernel"][1])
     src = ASTSource(kernel, spec["signature"], {tuple(p): v for p, v in spec["constexprs"]},
                     {tuple(p): v for p, v in spec["attrs"]})
-    res = {"kernel": spec["kernel"][1], "cap": cap}
+    names = getattr(importlib.import_module(spec["kernel"][0]), spec["kernel"][1]).arg_names
+    res = {"kernel": spec["kernel"][1], "cap": cap, "dtype": next(t for t in spec["signature"].values() if "*" in t),
+           "constexprs": {names[p[0]]: v for p, v in spec["constexprs"]}}
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=spec["options"])
     except Exception as e:                                           # the compiler's rejection, reported
@@ -185,7 +205,7 @@ def specs(target_model, draft_model):
     assert launched == set(LAUNCHERS), f"a launcher the engine should reach was not: {set(LAUNCHERS) - launched}"
     ours = {(m, n): (m, n) for m, ns in KERNELS.items() for n in ns}
     with Catch({**ours, EX9: ("kernels.paged_decode", "_paged_decode_kernel")}) as catch:
-        for m, args, kwargs in calls:
+        for m, args, kwargs in calls + gqa_calls():
             for dt in DTYPES:
                 getattr(importlib.import_module(m), LAUNCHERS[m])(*(in_dtype(a, dt) for a in args),
                                                                   **{k: in_dtype(v, dt) for k, v in kwargs.items()})
@@ -252,9 +272,10 @@ def test_every_launched_specialisation_compiles_for_sm80_and_sm90(specs, tmp_pat
           f"Triton wheel)")
     for name in sorted({r["kernel"] for r in results}):
         rs = [r for r in results if r["kernel"] == name]
+        top = max(rs, key=lambda r: r.get("regs") or 0)
         print(f"  {name}: {len(rs) // len(TARGETS)} specialisations; shared <= {max(r['shared'] for r in rs)} B, "
-              f"registers {min(r.get('regs') or 0 for r in rs)}-{max(r.get('regs') or 0 for r in rs)}, "
-              f"spilled (local) <= {max(r.get('local') or 0 for r in rs)} B")
+              f"registers {min(r.get('regs') or 0 for r in rs)}-{top.get('regs')} (most: sm_{top['cap']} "
+              f"{top['dtype']} {top['constexprs']}), spilled (local) <= {max(r.get('local') or 0 for r in rs)} B")
     out = os.environ.get("MINIBATCH_COMPILE_REPORT")
     if out:
         Path(out).write_text(json.dumps(results, indent=1))

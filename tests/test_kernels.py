@@ -214,12 +214,12 @@ def widen(batch, extra):
     return dict(batch, block_tables=torch.cat([bt, bt[:, -1:].expand(-1, extra)], 1).contiguous())
 
 
-@pytest.mark.parametrize("heads,block_size,extra", [("mha", 8, 0), ("gqa", 16, 12), ("mqa", 32, 6),
-                                                    ("gqa", 8, 30)])
+@pytest.mark.parametrize("heads,block_size,extra,D", [("mha", 8, 0, 24), ("gqa", 16, 12, 24), ("mqa", 32, 6, 24),
+                                                      ("gqa", 8, 30, 64)])      # G x D = 256: 8 keys a tile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_flash_decode_matches_reference_and_general_kernel(heads, block_size, extra, dtype):
+def test_flash_decode_matches_reference_and_general_kernel(heads, block_size, extra, D, dtype):
     H, Hkv = HEADS[heads]
-    batch = widen(make_batch([1, 1, 1], [1, 37, 70], block_size, H, Hkv, D=24, seed=3, dtype=dtype), extra)
+    batch = widen(make_batch([1, 1, 1], [1, 37, 70], block_size, H, Hkv, D=D, seed=3, dtype=dtype), extra)
     splits, _ = plan(3, Hkv, batch["block_tables"].shape[1] * block_size, 16)
     out, ref = run_both(batch, 0.2)
     dec = kernels.flash_decode(batch["query"], batch["key_cache"], batch["value_cache"],
@@ -232,10 +232,10 @@ def test_flash_decode_matches_reference_and_general_kernel(heads, block_size, ex
 
 def test_flash_decode_plan_by_hand():
     from kernels.flash_decode import plan
-    # the docstring's figures for the target (4 KV heads, a 512-token table, 64 keys per tile)
-    assert plan(1, 4, 512, 64) == (8, 64)        # 4 x 8 = 32 programs instead of 4
-    assert plan(16, 4, 512, 64) == (2, 256)      # 64 x 2 = 128
-    assert plan(32, 4, 512, 64) == (1, 512)      # a full wave already: one split, no combine launch
+    # the docstring's figures for the target (4 KV heads, a 512-token table, 32 keys per tile)
+    assert plan(1, 4, 512, 32) == (8, 64)        # 4 x 8 = 32 programs instead of 4
+    assert plan(16, 4, 512, 32) == (2, 256)      # 64 x 2 = 128
+    assert plan(32, 4, 512, 32) == (1, 512)      # a full wave already: one split, no combine launch
     assert plan(1, 1, 40, 16) == (1, 48)         # a short table: one split of whole tiles
     assert plan(2, 1, 200, 16) == (4, 64)
 
