@@ -123,3 +123,20 @@ def test_gpu_check_lists_its_steps_and_refuses_without_cuda(capsys, tmp_path):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main(["gpu-check", "--out", str(tmp_path)])
         assert not any(tmp_path.iterdir())
+
+
+def test_every_triton_backend_test_is_marked_interpreter_or_gpu():
+    """With CUDA present the interpreter is off, so a test that hands CPU tensors to the "triton" backend must carry
+    the ``interpreter`` mark (skipped there) or the ``gpu`` mark (it runs on CUDA). A test id with the parameter
+    ``triton`` that neither mark selects away would give compiled Triton CPU pointers on a GPU machine."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", "not interpreter and not gpu", "tests"], cwd=root, capture_output=True, text=True)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert len(ids) > 500, out.stdout[-2000:] + out.stderr[-2000:]           # the collection itself worked
+    unmarked = [i for i in ids if re.search(r"\[(?:[^\]]*-)?triton(?:-[^\]]*)?\]", i)]
+    assert not unmarked, f"mark these interpreter (CPU tensors) or gpu: {unmarked}"
