@@ -30,8 +30,8 @@ time, looking each key's physical block up in the block table, and keeps a
 FlashAttention online softmax (Dao et al. 2022, section 3.1; Milakov &
 Gimelshein 2018): a running max m, running sum l and unnormalised output acc,
 all float32, rescaled whenever the max grows. Nothing of size seq_len is ever
-materialised. (The next step for long decodes is splitting the keys over
-several programs, "flash-decoding"; not done here.)
+materialised. Pure-decode steps go to ``flash_decode.py`` instead: full tiles
+and the keys split over several programs ("flash-decoding").
 
 Shapes: T new tokens in the flat batch, B sequences, H query heads, Hkv KV
 heads, D head dim.
@@ -53,7 +53,7 @@ PREFILL_ROWS = 64     # target rows (token, head) per program when q_len > 1
 MIN_DOT = 16          # every tl.dot dimension >= 16 keeps all Triton versions / GPUs happy
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])      # the table's width changes from step to step: no recompile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,

@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels.paged_attention import check_paged_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])      # the table's width changes from step to step: no recompile
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr,
@@ -98,21 +98,26 @@ def _paged_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
+def check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, scale, who: str) -> None:
+    """One clear TypeError/ValueError for bad decode input (``check_paged_inputs`` with one query per sequence)."""
+    if not isinstance(query, torch.Tensor) or not isinstance(seq_lens, torch.Tensor):
+        raise TypeError(f"{who}: query and seq_lens must be torch.Tensors")
+    if query.dim() != 3 or seq_lens.dim() != 1 or query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"{who}: want query [B, H, D] with one row per sequence and "
+                         f"seq_lens [B]; got {tuple(query.shape)} and {tuple(seq_lens.shape)}")
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
+                       query_start_loc, scale, None, who=who)
+
+
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention: query [B, H, D], one new token per sequence -> out [B, H, D].
 
     Same as ``paged_attention`` with ``query_start_loc = arange(B + 1)``.
     """
-    if not isinstance(query, torch.Tensor) or not isinstance(seq_lens, torch.Tensor):
-        raise TypeError("paged_decode: query and seq_lens must be torch.Tensors")
-    if query.dim() != 3 or seq_lens.dim() != 1 or query.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"paged_decode: want query [B, H, D] with one row per sequence and "
-                         f"seq_lens [B]; got {tuple(query.shape)} and {tuple(seq_lens.shape)}")
+    check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, scale, "paged_decode")
     B = query.shape[0]
-    query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=seq_lens.device)
-    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, None, who="paged_decode")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if B == 0:
         return out

@@ -280,7 +280,7 @@ def test_bad_kv_reuse_is_rejected(target_model, value, method):
         LLM(target_model, speculative_config={"method": method, "num_speculative_tokens": 2, "kv_reuse": value})
 
 
-@pytest.mark.parametrize("backend", ["loop", "triton"])
+@pytest.mark.parametrize("backend", ["loop", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_greedy_equals_plain_on_other_backends(target_model, refs, backend):
     n = 3 if backend == "loop" else 1                  # Triton runs through its interpreter on a CPU: slow
     outs, probe, _ = run(target_model, 3, prompts=PROMPTS[:n], params=GREEDY[:n], attention_backend=backend,

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import kernels
+from kernels.flash_decode import plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -206,6 +207,39 @@ def test_paged_decode_matches_reference_and_general_kernel(heads, block_size):
     torch.testing.assert_close(dec, out, atol=1e-4, rtol=1e-4)
 
 
+# ----------------------------------------------------------------------------- flash_decode
+def widen(batch, extra):
+    """The block table with `extra` more padding columns (its spare, all-NaN block): more splits, some empty."""
+    bt = batch["block_tables"]
+    return dict(batch, block_tables=torch.cat([bt, bt[:, -1:].expand(-1, extra)], 1).contiguous())
+
+
+@pytest.mark.parametrize("heads,block_size,extra,D", [("mha", 8, 0, 24), ("gqa", 16, 12, 24), ("mqa", 32, 6, 24),
+                                                      ("gqa", 8, 30, 64)])      # G x D = 256: 8 keys a tile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_flash_decode_matches_reference_and_general_kernel(heads, block_size, extra, D, dtype):
+    H, Hkv = HEADS[heads]
+    batch = widen(make_batch([1, 1, 1], [1, 37, 70], block_size, H, Hkv, D=D, seed=3, dtype=dtype), extra)
+    splits, _ = plan(3, Hkv, batch["block_tables"].shape[1] * block_size, 16)
+    out, ref = run_both(batch, 0.2)
+    dec = kernels.flash_decode(batch["query"], batch["key_cache"], batch["value_cache"],
+                               batch["block_tables"], batch["seq_lens"], 0.2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(dec.cpu().double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(dec, out, atol=tol, rtol=tol)
+    assert extra == 0 or splits > 2, "a widened table must split the context (and leave splits empty)"
+
+
+def test_flash_decode_plan_by_hand():
+    from kernels.flash_decode import plan
+    # the docstring's figures for the target (4 KV heads, a 512-token table, 32 keys per tile)
+    assert plan(1, 4, 512, 32) == (8, 64)        # 4 x 8 = 32 programs instead of 4
+    assert plan(16, 4, 512, 32) == (2, 256)      # 64 x 2 = 128
+    assert plan(32, 4, 512, 32) == (1, 512)      # a full wave already: one split, no combine launch
+    assert plan(1, 1, 40, 16) == (1, 48)         # a short table: one split of whole tiles
+    assert plan(2, 1, 200, 16) == (4, 64)
+
+
 # ----------------------------------------------------------------------------- store_kv
 def index_copy_reference(key, value, key_cache, value_cache, slot_mapping):
     kc, vc = key_cache.clone(), value_cache.clone()
@@ -326,6 +360,20 @@ def test_paged_decode_bad_input():
                              b["block_tables"], b["seq_lens"], 0.25)
 
 
+DECODE_SKIP = {"qsl_bad_end", "qsl_bad_start", "seq_shorter_than_query"}   # no query_start_loc to get wrong
+
+
+@pytest.mark.parametrize("fn", ["paged_decode", "flash_decode"])
+@pytest.mark.parametrize("case", [c for c in BAD_ATTENTION if c not in DECODE_SKIP] + ["empty_sequence"])
+def test_decode_kernels_bad_input(fn, case):
+    mutate, exc, msg = BAD_ATTENTION.get(case, (lambda a: a.__setitem__(4, a[4] - 4), ValueError, "seq_len <"))
+    msg = {"query_rank": "want query"}.get(case, msg)
+    args = _args(make_batch([1, 1], [10, 4], 8, 4, 2, 16))
+    mutate(args)
+    with pytest.raises(exc, match=msg):
+        getattr(kernels, fn)(*args[:5], args[6])
+
+
 def _store_args():
     kc = torch.zeros(4, 8, 2, 16, device=DEVICE)
     k = torch.randn(5, 2, 16, device=DEVICE)
@@ -368,6 +416,19 @@ def test_gpu_long_context_decode_and_mixed(dtype, tol):
     batch = make_batch(q_lens, seq_lens, 16, 32, 8, 128, dtype=dtype, seed=42)
     out, ref = run_both(batch, 128 ** -0.5)
     torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 3e-3), (torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("heads", [(4, 4), (32, 8)])
+def test_gpu_flash_decode_long_context(dtype, tol, heads):
+    seq_lens = [1, 17, 1000, 2051, 4000] + [300 + 97 * i for i in range(11)]
+    for B in (1, 16):                                   # many splits, then few
+        batch = make_batch([1] * B, seq_lens[-B:] if B == 1 else seq_lens, 16, *heads, 64, dtype=dtype, seed=B)
+        out, ref = run_both(batch, 64 ** -0.5)
+        dec = kernels.flash_decode(batch["query"], batch["key_cache"], batch["value_cache"],
+                                   batch["block_tables"], batch["seq_lens"], 64 ** -0.5)
+        torch.testing.assert_close(dec.cpu().double(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu

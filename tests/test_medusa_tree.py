@@ -125,3 +125,28 @@ def test_the_shipped_heads_load_for_a_tree(target_model):
 def test_judged_depths_by_hand(path, judged):
     parents = [-1, 0, 0, 1]                                  # root -> 1, 2; 1 -> 3
     assert tree.judged_depths(parents, path) == judged
+
+
+class SameDevice(torch.utils._python_dispatch.TorchDispatchMode):
+    """What CUDA does and "meta" does not: an op mixing a model-device tensor with a CPU tensor (not a 0-d scalar)
+    raises. Run with the model on "meta", it shows on a CPU-only machine what would break on a GPU."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        devs = {x.device.type for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
+        if len(devs) > 1:
+            raise RuntimeError(f"{func}: tensors on {sorted(devs)}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not HAVE, reason="needs the shipped Medusa heads")
+def test_ranks_follow_the_models_device(target_model):
+    import copy
+    target = copy.deepcopy(target_model).to("meta")
+    heads = load_head("medusa", target)
+    x = torch.randint(0, 256, (2, 24))                           # token ids on the CPU, as generate's lists give
+    with SameDevice():
+        with pytest.raises(RuntimeError, match="tensors on"):    # the check itself catches a mismatch
+            target.wte.weight + torch.ones(target.wte.weight.shape[-1])
+        ranks = medusa_tree.ranks_of(target, heads, x, prompt_len=8)
+    K = heads.num_heads
+    assert ranks.device.type == "meta" and ranks.shape == (2, 24 - 8 - K, K)

@@ -92,7 +92,7 @@ def test_paths_through_later_siblings_happen(target_model, name):
     assert len(moved) >= 3, "no accepted path went through a later sibling: the test proves nothing"
 
 
-@pytest.mark.parametrize("backend", ["loop", "triton"])
+@pytest.mark.parametrize("backend", ["loop", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_greedy_equals_plain_on_other_backends(target_model, refs, backend):
     spec = dict(TREES["eagle dynamic 6/3/2"])
     outs, _, _ = run(target_model, spec, prompts=PROMPTS[:3], params=GREEDY[:3], attention_backend=backend,

@@ -37,6 +37,9 @@ CONFIGS = [
     (64, 4096, 32, 8, 128, torch.bfloat16),
     (64, 1024, 16, 16, 64, torch.float16),
     (32, 2048, 8, 1, 64, torch.float16),     # MQA
+    (1, 512, 4, 4, 64, torch.float16),       # the shipped target, batch 1 and 16, at its full context
+    (16, 512, 4, 4, 64, torch.float16),
+    (1, 16384, 32, 8, 128, torch.float16),   # one long context: the split over programs (flash_decode)
 ]
 QUICK = [CONFIGS[0], CONFIGS[4]]
 BLOCK_SIZE = 16
@@ -117,16 +120,18 @@ def cuda_time_ms(fn, iters, repeats=5):
 
 def bench_cuda(configs, iters):
     import kernels
+    from kernels.flash_decode import _launch_decode
     from kernels.paged_attention import _launch, check_paged_inputs
 
     refs = torch_references()
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
           f"triton {__import__('triton').__version__}; block_size {BLOCK_SIZE}; decode (1 token/seq)")
+    print(f"device copy bandwidth (read + write of 1 GiB, torch copy_): {copy_gbps():.0f} GB/s")
     head = (f"{'B':>3} {'ctx':>5} {'H':>3} {'Hkv':>3} {'D':>4} {'dtype':>8} | {'triton':>8} "
             f"{'checked':>8} | " + " ".join(f"{n:>11}" for n, _ in refs)
-            + f" | {'speed-up':>8} {'GB/s':>7} | {'max|err|':>8}")
-    print("times in ms; speed-up = first PyTorch reference / triton; "
-          "GB/s = K/V bytes read / triton time\n" + head + "\n" + "-" * len(head))
+            + f" | {'speed-up':>8} {'GB/s':>7} | {'flash':>8} {'GB/s':>7} | {'max|err|':>8}")
+    print("times in ms; speed-up = first PyTorch reference / triton; GB/s = K/V bytes read / time; triton = "
+          "paged_attention, flash = flash_decode (the engine's decode kernel)\n" + head + "\n" + "-" * len(head))
     for B, ctx, H, Hkv, D, dtype in configs:
         try:
             x = make_decode_batch(B, ctx, H, Hkv, D, dtype, "cuda")
@@ -137,6 +142,7 @@ def bench_cuda(configs, iters):
             out = torch.empty_like(x["query"])
             t_tri = cuda_time_ms(lambda: _launch(*args, scale, max_q, out), iters)
             t_chk = cuda_time_ms(lambda: kernels.paged_attention(*args, scale, 1), iters)
+            t_fl = cuda_time_ms(lambda: _launch_decode(*args[:5], scale, out), iters)
             t_refs = []
             for _, fn in refs:
                 try:
@@ -145,17 +151,28 @@ def bench_cuda(configs, iters):
                     t_refs.append(float("nan"))
                     torch.cuda.empty_cache()
             want = refs[0][1](*args, scale)
-            err = (kernels.paged_attention(*args, scale).float() - want.float()).abs().max().item()
+            err = max((kernels.paged_attention(*args, scale).float() - want.float()).abs().max().item(),
+                      (kernels.flash_decode(*args[:5], scale).float() - want.float()).abs().max().item())
             kv_bytes = 2 * int(x["seq_lens"].sum()) * Hkv * D * x["key_cache"].element_size()
             print(f"{B:>3} {ctx:>5} {H:>3} {Hkv:>3} {D:>4} {str(dtype)[6:]:>8} | {t_tri:8.3f} "
                   f"{t_chk:8.3f} | " + " ".join(f"{t:11.3f}" for t in t_refs)
-                  + f" | {t_refs[0] / t_tri:7.1f}x {kv_bytes / t_tri / 1e6:7.0f} | {err:8.1e}"
+                  + f" | {t_refs[0] / t_tri:7.1f}x {kv_bytes / t_tri / 1e6:7.0f} | {t_fl:8.3f} "
+                  f"{kv_bytes / t_fl / 1e6:7.0f} | {err:8.1e}"
                   + ("  <-- MISMATCH" if not err < 2e-2 else ""), flush=True)
             del x, args, out, want
             torch.cuda.empty_cache()
         except Exception as e:   # noqa: BLE001 - report and go on with the next row
             print(f"{B:>3} {ctx:>5} {H:>3} {Hkv:>3} {D:>4} {str(dtype)[6:]:>8} | failed: {e!r}")
             torch.cuda.empty_cache()
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """What the card's memory moves in a plain device-to-device copy: (read + write) bytes / time."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), 10)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
 
 
 def smoke_cpu():
@@ -168,10 +185,11 @@ def smoke_cpu():
     x = make_decode_batch(3, 40, 8, 2, 32, torch.float32, "cpu")
     args = [x[n] for n in ("query", "key_cache", "value_cache", "block_tables",
                            "seq_lens", "query_start_loc")]
-    out = kernels.paged_attention(*args, 32 ** -0.5)
+    outs = {"triton": kernels.paged_attention(*args, 32 ** -0.5), "flash": kernels.flash_decode(*args[:5], 32 ** -0.5)}
     for name, fn in torch_references()[:1] + [("torch-local", local_paged_reference)]:
-        err = (out - fn(*args, 32 ** -0.5)).abs().max().item()
-        print(f"  triton vs {name}: max |err| = {err:.1e} ({'ok' if err < 1e-4 else 'MISMATCH'})")
+        for kernel, out in outs.items():
+            err = (out - fn(*args, 32 ** -0.5)).abs().max().item()
+            print(f"  {kernel} vs {name}: max |err| = {err:.1e} ({'ok' if err < 1e-4 else 'MISMATCH'})")
     print(f"  ({time.perf_counter() - t0:.1f} s)")
 
 

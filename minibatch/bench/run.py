@@ -154,7 +154,8 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
           "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve",
-          "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg"}
+          "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
+          "gpu-check": "minibatch.bench.gpu_check"}
 
 
 def main(argv=None):

@@ -97,7 +97,6 @@ def measure_ranks(target, heads, num_prompts: int = 512, prompt_len: int = 64, n
     from minibatch.engine.llm import LLM
     from minibatch.engine.sampler import SamplingParams
     from minibatch.model.data import val_documents
-    from minibatch.model.train import batched_causal_attention
     rng = np.random.default_rng(seed)
     docs = val_documents(num_prompts, min_len=prompt_len + 400, seed=seed)       # every held-out file this long
     prompts = []
@@ -107,25 +106,33 @@ def measure_ranks(target, heads, num_prompts: int = 512, prompt_len: int = 64, n
         prompts.append(list(d[start: start + prompt_len]))
     outs = LLM(target, max_num_seqs=64).generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens))
     seqs = torch.tensor([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)])   # [B, S]
-    B, S = seqs.shape
-    K = heads.num_heads
     out = []
-    for i in range(0, B, 16):
-        x = seqs[i: i + 16]
-        b = len(x)
-        _, hs = target(x.reshape(-1), torch.arange(S).repeat(b), batched_causal_attention(b, S),
-                       hidden_states=("final",))
-        h = hs["final"].view(b, S, -1)[:, prompt_len - 1: S - K - 1]                  # rows t: the root is t + 1
-        logits = heads(h.reshape(-1, h.shape[-1]).float()).view(b, -1, K, heads.vocab_size)   # [b, P, K, V]
-        P = logits.shape[1]
-        for d in range(K):                                     # head d guesses the token at t + 2 + d
-            want = x[:, prompt_len + 1 + d: prompt_len + 1 + d + P]                  # [b, P]
-            rank_d = (logits[:, :, d] > logits[:, :, d].gather(-1, want[..., None])).sum(-1)   # [b, P]
-            if d == 0:
-                ranks = torch.empty(b, P, K, dtype=torch.long)
-            ranks[:, :, d] = rank_d.clamp(max=MAX_RANK)
-        out += list(ranks.numpy())
+    for i in range(0, len(seqs), 16):                                             # 16 sequences per forward
+        out += list(ranks_of(target, heads, seqs[i: i + 16], prompt_len).cpu().numpy())
     return out
+
+
+@torch.no_grad()
+def ranks_of(target, heads, x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """x [b, S] token ids (any device) -> ranks [b, P, K] on the target's device: for each window position past
+    the prompt, the rank of the target's greedy token under each head. Every tensor follows the model's device
+    (load_model puts it on CUDA when there is one; an index on another device is an error there)."""
+    from minibatch.model.train import batched_causal_attention
+    dev = next(target.parameters()).device
+    x = x.to(dev)
+    b, S = x.shape
+    K = heads.num_heads
+    _, hs = target(x.reshape(-1), torch.arange(S, device=dev).repeat(b), batched_causal_attention(b, S),
+                   hidden_states=("final",))
+    h = hs["final"].view(b, S, -1)[:, prompt_len - 1: S - K - 1]                  # rows t: the root is t + 1
+    logits = heads(h.reshape(-1, h.shape[-1]).float()).view(b, -1, K, heads.vocab_size)   # [b, P, K, V]
+    P = logits.shape[1]
+    ranks = torch.empty(b, P, K, dtype=torch.long, device=dev)
+    for d in range(K):                                     # head d guesses the token at t + 2 + d
+        want = x[:, prompt_len + 1 + d: prompt_len + 1 + d + P]                      # [b, P]
+        rank_d = (logits[:, :, d] > logits[:, :, d].gather(-1, want[..., None])).sum(-1)   # [b, P]
+        ranks[:, :, d] = rank_d.clamp(max=MAX_RANK)
+    return ranks
 
 
 def main(argv=None):
