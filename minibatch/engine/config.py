@@ -5,6 +5,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional
 
+from minibatch.engine.cuda_graphs import MODES
 from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
@@ -31,6 +32,13 @@ class EngineConfig:
     order: str = "decode-first"                # or "prefill-first"
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
+    # CUDA graphs for pure-decode steps (engine/cuda_graphs.py), vLLM's switch and names. On CUDA they are on
+    # unless enforce_eager=True; on the CPU there is nothing to capture. cuda_graph_mode="eager-replay" runs
+    # the graphs' padded fixed buffers eagerly (any device: how CI checks the graph path); cuda_graph_sizes
+    # None = 1, 2, 4, 8, 16, 32, ... up to max_num_seqs.
+    enforce_eager: bool = False
+    cuda_graph_mode: str = "auto"              # or "eager-replay"
+    cuda_graph_sizes: Optional[list] = None
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -50,6 +58,25 @@ class EngineConfig:
         if self.speculative_config is not None:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)
+        self._check_graphs()
+
+    def _check_graphs(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.cuda_graph_mode not in MODES:
+            raise ValueError(f"unknown cuda_graph_mode {self.cuda_graph_mode!r}; choose one of {list(MODES)}")
+        if self.enforce_eager and self.cuda_graph_mode != "auto":
+            raise ValueError(f"enforce_eager=True turns CUDA graphs off: it cannot go with "
+                             f"cuda_graph_mode={self.cuda_graph_mode!r}")
+        if self.cuda_graph_sizes is not None:
+            if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes, got "
+                                 f"{self.cuda_graph_sizes!r}")
+            for b in self.cuda_graph_sizes:
+                _int("each of cuda_graph_sizes", b, 1)
+                if b > self.max_num_seqs:
+                    raise ValueError(f"cuda_graph_sizes holds {b}, over max_num_seqs={self.max_num_seqs}: "
+                                     f"no decode batch is ever that large")
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""

@@ -2,7 +2,9 @@
 
 ``execute(scheduler_output)`` does, in order (vLLM V1's ``GPUModelRunner.execute_model``):
 
-1. copy-on-write copies the scheduler asked for (a shared block about to be written);
+1. copy-on-write copies the scheduler asked for (a shared block about to be written); a pure-decode
+   step (one token per sequence, nothing else) then goes to the graph runner when there is one
+   (``cuda_graphs.py``: fixed buffers, a captured graph replayed), and on to step 4;
 2. **prepare inputs**: concatenate every scheduled sequence's new tokens into
    ``input_ids[T]``; ``AttentionMetadata.build`` makes the slot mapping, block
    tables, ``seq_lens``, ``query_start_loc`` and the ``positions[T]``; and
@@ -56,7 +58,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
                  scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
-                 typical: Optional[tuple] = None, proposer=None):
+                 typical: Optional[tuple] = None, proposer=None, graphs=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.proposer = proposer             # asked, before a verify, where its rows may start (verify_start)
         self.attention_backend = attention_backend
@@ -64,11 +66,14 @@ class ModelRunner:
         self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
         self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
         self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
+        self.graphs = graphs                 # a CUDAGraphRunner for pure-decode steps, or None: every step eager
 
     @torch.inference_mode()
     def execute(self, out) -> ModelRunnerOutput:
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)
+        if self._replayable(out):
+            return self._execute_decode(out.scheduled)
         input_ids, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)
         qsl = [0]
         for n in attn.metadata.query_lens_list:                                   # host-side: no device sync
@@ -83,6 +88,31 @@ class ModelRunner:
         if any(paths):
             self._keep_paths(paths, attn.metadata.slot_mapping, qsl, rows, hidden)
         return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
+
+    def _replayable(self, out) -> bool:
+        """A pure-decode step the graph runner can take: one new token per sequence, no drafts or tree, no
+        static-batching padding, no hidden states for a proposer, at most the largest captured batch."""
+        return (self.graphs is not None and not out.padding and not self.hidden_states
+                and self.graphs.padded_size(len(out.scheduled)) is not None
+                and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in out.scheduled))
+
+    def _execute_decode(self, scheduled) -> ModelRunnerOutput:
+        """The pure-decode step through the graph runner's fixed buffers: logits [B, V], row b = sequence b."""
+        computed = [s.num_computed_before for s in scheduled]
+        self._check_context(computed, [1] * len(scheduled))
+        logits = self.graphs.run([s.input_token_ids[0] for s in scheduled], [s.block_table for s in scheduled],
+                                 computed)
+        rows = [[b] if s.samples else [] for b, s in enumerate(scheduled)]
+        sampled, accepted, forked, paths = self._sample(scheduled, logits.float(), rows)
+        return ModelRunnerOutput(sampled, accepted, forked, {}, rows, list(range(len(scheduled) + 1)), paths)
+
+    def _check_context(self, computed, new) -> None:
+        """The boundary check of positions (host values, before any tensor): a position past the context
+        would index the position embedding out of range, a device-side assert on CUDA rather than an error."""
+        n_ctx = self.model.config.n_ctx
+        last = max((c + n for c, n in zip(computed, new)), default=0)
+        if last > n_ctx:
+            raise ValueError(f"position {last - 1} is past the context length {n_ctx}")
 
     def _prepare_inputs(self, scheduled, padding=()):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
@@ -106,6 +136,7 @@ class ModelRunner:
             tables.append(table + [self.scratch_block + i] if context % bs == 0 else table)
             computed.append(context)
             new.append(1)
+        self._check_context(computed, new)
         tree_kw = {"tree_parents": trees} if any(t is not None for t in trees) else {}
         meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device, **tree_kw)
         attn = PagedAttention(self.kv_cache, meta, self.attention_backend)
