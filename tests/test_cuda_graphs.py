@@ -110,3 +110,20 @@ def test_graph_replay_does_not_sync_and_equals_eager_on_cuda(backend):
     runner.run = strict
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert replays and [o.outputs[0].token_ids for o in outs] == eager
+
+
+def test_enforce_eager_on_the_command_lines(capsys):
+    """vLLM's --enforce-eager: accepted by generate (same text as without it on a CPU) and by serve's parser."""
+    import argparse
+
+    from minibatch.__main__ import main
+    from minibatch.serve.server import add_arguments, make_llm
+    texts = []
+    for extra in ([], ["--enforce-eager"]):
+        assert main(["generate", "def f(x):", "--max-tokens", "6", "--device", "cpu", *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--enforce-eager", "--device", "cpu"])
+    assert make_llm(args).llm_engine.config.enforce_eager is True

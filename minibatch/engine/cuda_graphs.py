@@ -22,10 +22,10 @@ nothing on the CPU, where there is nothing to capture; "eager-replay" runs the v
 fixed-shape forward eagerly, with no capture, on any device: it is how CI, with no GPU, holds the graph path
 token for token equal to the plain one (tests/test_cuda_graphs.py).
 
-On a machine with a GPU, run (a few minutes; the `gpu` tests, then graphs on and off):
+On a machine with a GPU, run (about two minutes): the `gpu` tests, then a batch-16 decode step with graphs
+against eager in the same process (alternating, best of several; the README's "On a GPU" wants its figures):
 
-    python3 -m pytest -m gpu -q tests/ && python3 -m minibatch.bench batching --device cuda \\
-        && python3 -m minibatch.bench batching --device cuda --enforce-eager
+    python3 -m pytest -m gpu -q tests/test_cuda_graphs.py && python3 -m minibatch.engine.cuda_graphs --device cuda
 """
 from __future__ import annotations
 
@@ -122,3 +122,53 @@ class CUDAGraphRunner:
             self.graphs[P].replay()
             return self.logits[P][:B]
         return self._forward(P)[:B]
+
+
+def _step_time(llm, batch: int, steps: int) -> float:
+    """Seconds of one engine step at ``batch`` running decodes (best of ``steps``), after their prefills."""
+    import time
+    from minibatch.engine.sampler import SamplingParams
+    eng = llm.llm_engine
+    for i in range(batch):
+        eng.add_request(f"t{i}", bytes(range(32, 42 + 3 * i)).decode(), SamplingParams(temperature=0, max_tokens=steps + 8))
+    for _ in range(3):
+        eng.step()
+    best = float("inf")
+    for _ in range(steps):
+        if eng.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step()
+        best = min(best, time.perf_counter() - t)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return best
+
+
+def main(argv=None) -> int:
+    """python -m minibatch.engine.cuda_graphs [--device cuda] [--batch 16]: a decode step's time, graphs (on
+    the CPU: eager-replay) against eager, alternating rounds, best of each, with the spread over rounds."""
+    import argparse
+    from minibatch.engine.llm import LLM
+    ap = argparse.ArgumentParser(prog="python -m minibatch.engine.cuda_graphs")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--backend", default="batched")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    graph_kw = {} if a.device.startswith("cuda") else {"cuda_graph_mode": "eager-replay"}
+    llms = {"eager": LLM(device=a.device, attention_backend=a.backend, max_num_seqs=a.batch, enforce_eager=True),
+            "graphs": LLM(device=a.device, attention_backend=a.backend, max_num_seqs=a.batch, **graph_kw)}
+    times = {k: [] for k in llms}
+    for _ in range(a.rounds):
+        for k, llm in llms.items():
+            times[k].append(_step_time(llm, a.batch, 20))
+    for k, ts in times.items():
+        print(f"{k:7s} decode step, batch {a.batch}, {a.device}, {a.backend}: best {min(ts) * 1e6:.0f} us "
+              f"(rounds {min(ts) * 1e6:.0f}-{max(ts) * 1e6:.0f} us)")
+    print(f"eager / graphs: {min(times['eager']) / min(times['graphs']):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

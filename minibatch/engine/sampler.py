@@ -116,6 +116,20 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+def exponential_noise(shape, generator: Optional[torch.Generator] = None, device="cpu") -> torch.Tensor:
+    """q ~ Exp(1) i.i.d. of ``shape`` from ``generator`` (None: torch's global one), on ``generator``'s device,
+    then on ``device``. Clamped away from 0 (a float Exp(1) can be exactly 0), so that p / q is never 0 / 0."""
+    at = generator.device if generator is not None else device
+    q = torch.empty(shape, device=at).exponential_(generator=generator)
+    return q.clamp_(min=torch.finfo(q.dtype).tiny).to(device)
+
+
+def race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax_i p_i / q_i over the last dim, token i with probability exactly p_i
+    (q_i / p_i ~ Exp(p_i), and the first of independent exponential clocks to ring is i w.p. p_i / sum p)."""
+    return (probs / q).argmax(-1)
+
+
 def make_generator(seed: Optional[int], device="cpu") -> Optional[torch.Generator]:
     if seed is None:
         return None
@@ -165,13 +179,11 @@ class Sampler:
         if any((params[i].top_k and params[i].top_k > 0) or params[i].top_p < 1.0 for i in rand):
             x = self._filter(x, [params[i] for i in rand])
         probs = x.softmax(-1)
-        q = torch.empty_like(probs).exponential_(generator=self._generator(dev))           # unseeded rows
+        q = exponential_noise(probs.shape, self._generator(dev), dev)                     # unseeded rows
         for r, i in enumerate(rand):
-            g = generators[i]
-            if g is not None:                        # its own row from its own generator: batch-independent
-                q[r] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g).to(dev)
-        # Exp(1) can be exactly 0 in floating point: clamp, so that p = 0 / q never reads as NaN (argmax's max)
-        drawn = (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(-1)
+            if generators[i] is not None:            # its own row from its own generator: batch-independent
+                q[r] = exponential_noise(probs.shape[1], generators[i], dev)
+        drawn = race(probs, q)
         out = greedy.index_copy(0, torch.tensor(rand, device=dev), drawn)
         return out.tolist()
 

@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="most unfinished requests (running + waiting); past it new ones get 503")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
 
 
 def make_llm(args):
@@ -49,7 +50,8 @@ def make_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
                enable_prefix_caching=args.enable_prefix_caching, scheduling=args.scheduling,
-               attention_backend=args.attention_backend, speculative_config=spec)
+               attention_backend=args.attention_backend, speculative_config=spec,
+               enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def serve(args) -> int:
