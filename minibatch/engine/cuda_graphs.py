@@ -156,17 +156,19 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="batched")
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
-    graph_kw = {} if a.device.startswith("cuda") else {"cuda_graph_mode": "eager-replay"}
+    cuda = a.device.startswith("cuda")
+    graphs = "graphs" if cuda else "eager-replay"
     llms = {"eager": LLM(device=a.device, attention_backend=a.backend, max_num_seqs=a.batch, enforce_eager=True),
-            "graphs": LLM(device=a.device, attention_backend=a.backend, max_num_seqs=a.batch, **graph_kw)}
+            graphs: LLM(device=a.device, attention_backend=a.backend, max_num_seqs=a.batch,
+                        **({} if cuda else {"cuda_graph_mode": "eager-replay"}))}
     times = {k: [] for k in llms}
     for _ in range(a.rounds):
         for k, llm in llms.items():
             times[k].append(_step_time(llm, a.batch, 20))
     for k, ts in times.items():
-        print(f"{k:7s} decode step, batch {a.batch}, {a.device}, {a.backend}: best {min(ts) * 1e6:.0f} us "
+        print(f"{k:12s} decode step, batch {a.batch}, {a.device}, {a.backend}: best {min(ts) * 1e6:.0f} us "
               f"(rounds {min(ts) * 1e6:.0f}-{max(ts) * 1e6:.0f} us)")
-    print(f"eager / graphs: {min(times['eager']) / min(times['graphs']):.2f}x")
+    print(f"eager / {graphs}: {min(times['eager']) / min(times[graphs]):.2f}x")
     return 0
 
 
