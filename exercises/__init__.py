@@ -71,7 +71,7 @@ PIECES = {p.name: p for p in (
     Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.engine.sampler", "top-k / top-p",
           helpers=("top_k_top_p_batched",)),
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
-          "rejection sampler"),
+          "rejection sampler", helpers=("rejection_sample_batched",)),
     Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),

@@ -15,9 +15,10 @@
    says some verified rows have been through the first E blocks already (early exit's KV reuse,
    ``Proposer.verify_start``), the forward runs in two parts: blocks 0 .. E-1 over the other rows, then
    blocks E .. L-1 over every row (``_forward``);
-4. **sample**: one token per plain row (``Sampler``), or the rejection sampler over
-   1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and
-   adds one token of the target's own;
+4. **sample**: one token per plain row (``Sampler``: one batched filter and one draw), or the rejection
+   sampler over 1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and adds one
+   token of the target's own: every chain of the step in one batched call on the device
+   (``rejection_sample_batched``), or, when another sampler is patched in (exercise 4), through it;
 5. a **token tree** (``spec_decode/tree.py``) is verified the same way, over its 1 + N
    nodes, and keeps one root-to-leaf path; that path's K/V (and hidden states) then
    move to consecutive slots, so the cache holds a plain chain again (``_keep_paths``).
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.engine.sampler import Sampler, probabilities
+from minibatch.engine.sampler import Sampler, batched_probabilities, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode import tree
 from minibatch.spec_decode.rejection_sampler import rejection_sample
@@ -256,6 +257,8 @@ class ModelRunner:
             res = [typical_accept(s.spec_token_ids, probabilities(logits[r].cpu(), s.seq.params), *self.typical,
                                   generator=s.seq.generator) for s, r in zip(batch, rows)]
             return [t for t, _ in res], [n for _, n in res]
+        if rejection_sample is _REFERENCE_SAMPLER[0] and getattr(rejection_sample, "_held_out", None) is None:
+            return self._verify_batched(batch, logits, rows)
         k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
         drafts = torch.full((B, k), -1, dtype=torch.long)
         target = torch.zeros(B, k + 1, V)
@@ -270,5 +273,27 @@ class ModelRunner:
         toks, n_acc = rejection_sample(drafts, q, target, [s.seq.generator for s in batch],
                                        num_draft_tokens=[len(s.spec_token_ids) for s in batch],
                                        greedy=[s.seq.params.greedy for s in batch])
+        n_acc = n_acc.tolist()
+        return [row[:a + 1] for row, a in zip(toks.tolist(), n_acc)], n_acc
+
+    def _verify_batched(self, batch, logits, rows):
+        """The same verification in one batched call on the logits' device (``rejection_sample_batched``):
+        p [B, k + 1, V] from one ``batched_probabilities`` over every verified row, q [B, k, V] from the
+        proposer's rows (one-hot where a row has none; None when none has any)."""
+        from minibatch.spec_decode.rejection_sampler import rejection_sample_batched
+        k, V, B, dev = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch), logits.device
+        ks = [len(s.spec_token_ids) for s in batch]
+        idx = [r + [r[0]] * (k + 1 - len(r)) for r in rows]                        # [B, k+1]; padding: never read
+        params = [s.seq.params for s in batch for _ in range(k + 1)]
+        target = batched_probabilities(logits[torch.tensor(idx, device=dev).view(-1)], params).view(B, k + 1, V)
+        drafts = torch.tensor([s.spec_token_ids + [-1] * (k - n) for s, n in zip(batch, ks)], dtype=torch.long)
+        q = None
+        if any(s.seq.spec_probs is not None for s in batch):
+            q = torch.nn.functional.one_hot(drafts.clamp(min=0), V).to(device=dev, dtype=target.dtype)
+            for b, s in enumerate(batch):
+                if s.seq.spec_probs is not None:
+                    q[b, :ks[b]] = s.seq.spec_probs[:ks[b]].to(device=dev, dtype=target.dtype)
+        toks, n_acc = rejection_sample_batched(drafts, q, target, [s.seq.generator for s in batch], ks,
+                                               [s.seq.params.greedy for s in batch])
         n_acc = n_acc.tolist()
         return [row[:a + 1] for row, a in zip(toks.tolist(), n_acc)], n_acc

@@ -116,6 +116,25 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+def batched_probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """``probabilities`` of many rows at once: logits [R, V], row i under params[i] -> probs [R, V] (one-hot
+    rows for greedy ones), on the logits' device. top-k / top-p is one batched call while apply_top_k_top_p is
+    the reference; a student's (exercise 3, patched in by exercises.patch_engine, or held out in a release)
+    is called row by row."""
+    dev, x = logits.device, logits.float()
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    x = x / torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
+    if any((p.top_k and p.top_k > 0) or p.top_p < 1.0 for p in params if not p.greedy):
+        f = apply_top_k_top_p
+        if f is _REFERENCE_FILTER[0] and getattr(f, "_held_out", None) is None:
+            x = top_k_top_p_batched(x, torch.tensor([p.top_k for p in params], device=dev),
+                                    torch.tensor([p.top_p for p in params], device=dev))
+        else:
+            x = torch.stack([row if p.greedy else f(row, p.top_k, p.top_p) for row, p in zip(x, params)])
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(x.dtype)
+    return torch.where(greedy[:, None], one_hot, x.softmax(-1))
+
+
 def exponential_noise(shape, generator: Optional[torch.Generator] = None, device="cpu") -> torch.Tensor:
     """q ~ Exp(1) i.i.d. of ``shape`` from ``generator`` (None: torch's global one), on ``generator``'s device,
     then on ``device``. Clamped away from 0 (a float Exp(1) can be exactly 0), so that p / q is never 0 / 0."""
@@ -173,12 +192,8 @@ class Sampler:
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if not rand:
             return greedy.tolist()
-        dev, x = logits.device, logits[rand].float()                                       # [R, V]
-        temp = torch.tensor([params[i].temperature for i in rand], device=dev)
-        x = x / temp[:, None]
-        if any((params[i].top_k and params[i].top_k > 0) or params[i].top_p < 1.0 for i in rand):
-            x = self._filter(x, [params[i] for i in rand])
-        probs = x.softmax(-1)
+        dev = logits.device
+        probs = batched_probabilities(logits[rand], [params[i] for i in rand])             # [R, V]
         q = exponential_noise(probs.shape, self._generator(dev), dev)                     # unseeded rows
         for r, i in enumerate(rand):
             if generators[i] is not None:            # its own row from its own generator: batch-independent
@@ -187,13 +202,3 @@ class Sampler:
         out = greedy.index_copy(0, torch.tensor(rand, device=dev), drawn)
         return out.tolist()
 
-    @staticmethod
-    def _filter(x: torch.Tensor, params: list) -> torch.Tensor:
-        """top-k / top-p over the rows x [R, V]: batched while apply_top_k_top_p is the reference; a student's
-        (exercise 3, patched in by exercises.patch_engine, or held out in a release) is called row by row."""
-        f = apply_top_k_top_p
-        if f is _REFERENCE_FILTER[0] and getattr(f, "_held_out", None) is None:
-            dev = x.device
-            return top_k_top_p_batched(x, torch.tensor([p.top_k for p in params], device=dev),
-                                       torch.tensor([p.top_p for p in params], device=dev))
-        return torch.stack([f(row, p.top_k, p.top_p) for row, p in zip(x, params)])
