@@ -46,6 +46,17 @@ def test_replay_without_capture_equals_the_plain_path(target_model, n, max_num_s
     assert len(set(calls)) > 1 or n == 1, "sequences finished mid-batch, and the batch shrank"
 
 
+@pytest.mark.interpreter
+def test_replay_without_capture_equals_the_plain_path_on_triton(target_model):
+    """The other graph-safe backend: Triton's kernels over the padded buffers (through the interpreter on the
+    CPU; a batch of 3 padded to 4, so one row has slot -1 and length 0)."""
+    prompts, params = workload(3, seeded=False)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i) for i in range(3)]
+    plain, _ = generate(target_model, prompts, params, attention_backend="triton")
+    graph, calls = generate(target_model, prompts, params, attention_backend="triton", cuda_graph_mode="eager-replay")
+    assert graph == plain and calls and max(calls) == 3
+
+
 def test_sizes_are_nano_vllms():
     assert capture_sizes(1) == [1] and capture_sizes(3) == [1, 2]
     assert capture_sizes(17) == [1, 2, 4, 8, 16] and capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
