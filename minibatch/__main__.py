@@ -24,7 +24,7 @@ def _generate(args) -> int:
         spec = {"method": args.speculative, "num_speculative_tokens": args.k}
     try:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
         t = time.perf_counter()
         out = llm.generate([args.prompt], params)[0]
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--preset", default="target")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
     g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
     from minibatch.spec_decode.proposer import METHODS
     g.add_argument("--speculative", choices=METHODS, default=None,

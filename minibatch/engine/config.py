@@ -5,6 +5,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional
 
+from minibatch.engine.cuda_graphs import MODES
 from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
@@ -36,6 +37,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9        # simulate: the share of device memory for weights + KV (vLLM's name)
     tensor_parallel_size: int = 1              # ranks the model's heads split over (minibatch/distributed/)
     disaggregated: bool = False                # a prefill instance and a decode instance behind a router
+    # CUDA graphs for pure-decode steps (engine/cuda_graphs.py), vLLM's switch and names. On CUDA they are on
+    # unless enforce_eager=True; on the CPU there is nothing to capture. cuda_graph_mode="eager-replay" runs
+    # the graphs' padded fixed buffers eagerly (any device: how CI checks the graph path); cuda_graph_sizes
+    # None = 1, 2, 4, 8, 16, 32, ... up to max_num_seqs.
+    enforce_eager: bool = False
+    cuda_graph_mode: str = "auto"              # or "eager-replay"
+    cuda_graph_sizes: Optional[list] = None
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -67,6 +75,7 @@ class EngineConfig:
             raise ValueError(f"speculative method {method!r} drafts inside the target's KV cache (an extra layer or "
                              f"scratch blocks written directly), which a head-split cache does not hold: use "
                              f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
+        self._check_graphs()
 
     def cost_model(self):
         """The simulated clock's CostModel (minibatch/perf/cost.py), or None without ``simulate``."""
@@ -74,6 +83,24 @@ class EngineConfig:
             return None
         from minibatch.perf.cost import CostModel
         return CostModel.from_spec(self.simulate)
+
+    def _check_graphs(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.cuda_graph_mode not in MODES:
+            raise ValueError(f"unknown cuda_graph_mode {self.cuda_graph_mode!r}; choose one of {list(MODES)}")
+        if self.enforce_eager and self.cuda_graph_mode != "auto":
+            raise ValueError(f"enforce_eager=True turns CUDA graphs off: it cannot go with "
+                             f"cuda_graph_mode={self.cuda_graph_mode!r}")
+        if self.cuda_graph_sizes is not None:
+            if not isinstance(self.cuda_graph_sizes, (list, tuple)) or not self.cuda_graph_sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes, got "
+                                 f"{self.cuda_graph_sizes!r}")
+            for b in self.cuda_graph_sizes:
+                _int("each of cuda_graph_sizes", b, 1)
+                if b > self.max_num_seqs:
+                    raise ValueError(f"cuda_graph_sizes holds {b}, over max_num_seqs={self.max_num_seqs}: "
+                                     f"no decode batch is ever that large")
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""

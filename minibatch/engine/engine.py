@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from minibatch.engine.config import EngineConfig
+from minibatch.engine.cuda_graphs import make_graph_runner
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
 from minibatch.engine.sampler import SamplingParams
@@ -71,7 +72,9 @@ class LLMEngine:
                                         scratch_block=num_blocks,
                                         hidden_states=self.proposer.hidden_states if self.proposer else (),
                                         all_hidden=bool(self.proposer and self.proposer.all_hidden),
-                                        typical=typical_params(c.speculative_config), proposer=self.proposer)
+                                        typical=typical_params(c.speculative_config), proposer=self.proposer,
+                                        graphs=make_graph_runner(c, model, self.kv_cache,
+                                                                 bool(self.proposer and self.proposer.hidden_states)))
         self.requests: dict[str, Request] = {}     # unfinished requests only: a finished one is forgotten
         self._num_added = 0
         self.hooks: list[Callable] = []

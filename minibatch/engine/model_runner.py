@@ -2,7 +2,9 @@
 
 ``execute(scheduler_output)`` does, in order (vLLM V1's ``GPUModelRunner.execute_model``):
 
-1. copy-on-write copies the scheduler asked for (a shared block about to be written);
+1. copy-on-write copies the scheduler asked for (a shared block about to be written); a pure-decode
+   step (one token per sequence, nothing else) then goes to the graph runner when there is one
+   (``cuda_graphs.py``: fixed buffers, a captured graph replayed), and on to step 4;
 2. **prepare inputs**: concatenate every scheduled sequence's new tokens into
    ``input_ids[T]``; ``AttentionMetadata.build`` makes the slot mapping, block
    tables, ``seq_lens``, ``query_start_loc`` and the ``positions[T]``; and
@@ -13,9 +15,10 @@
    says some verified rows have been through the first E blocks already (early exit's KV reuse,
    ``Proposer.verify_start``), the forward runs in two parts: blocks 0 .. E-1 over the other rows, then
    blocks E .. L-1 over every row (``_forward``);
-4. **sample**: one token per plain row (``Sampler``), or the rejection sampler over
-   1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and
-   adds one token of the target's own;
+4. **sample**: one token per plain row (``Sampler``: one batched filter and one draw), or the rejection
+   sampler over 1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and adds one
+   token of the target's own: every chain of the step in one batched call on the device
+   (``rejection_sample_batched``), or, when another sampler is patched in (exercise 4), through it;
 5. a **token tree** (``spec_decode/tree.py``) is verified the same way, over its 1 + N
    nodes, and keeps one root-to-leaf path; that path's K/V (and hidden states) then
    move to consecutive slots, so the cache holds a plain chain again (``_keep_paths``).
@@ -30,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.engine.sampler import Sampler, probabilities
+from minibatch.engine.sampler import Sampler, batched_probabilities, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode import tree
 from minibatch.spec_decode.rejection_sampler import rejection_sample
@@ -56,7 +59,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
                  scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
-                 typical: Optional[tuple] = None, proposer=None):
+                 typical: Optional[tuple] = None, proposer=None, graphs=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.proposer = proposer             # asked, before a verify, where its rows may start (verify_start)
         self.attention_backend = attention_backend
@@ -64,11 +67,14 @@ class ModelRunner:
         self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
         self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
         self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
+        self.graphs = graphs                 # a CUDAGraphRunner for pure-decode steps, or None: every step eager
 
     @torch.inference_mode()
     def execute(self, out) -> ModelRunnerOutput:
         if out.cow_copies:
             self.kv_cache.copy_blocks(out.cow_copies)
+        if self._replayable(out):
+            return self._execute_decode(out.scheduled)
         input_ids, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)
         qsl = [0]
         for n in attn.metadata.query_lens_list:                                   # host-side: no device sync
@@ -83,6 +89,31 @@ class ModelRunner:
         if any(paths):
             self._keep_paths(paths, attn.metadata.slot_mapping, qsl, rows, hidden)
         return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
+
+    def _replayable(self, out) -> bool:
+        """A pure-decode step the graph runner can take: one new token per sequence, no drafts or tree, no
+        static-batching padding, no hidden states for a proposer, at most the largest captured batch."""
+        return (self.graphs is not None and not out.padding and not self.hidden_states
+                and self.graphs.padded_size(len(out.scheduled)) is not None
+                and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in out.scheduled))
+
+    def _execute_decode(self, scheduled) -> ModelRunnerOutput:
+        """The pure-decode step through the graph runner's fixed buffers: logits [B, V], row b = sequence b."""
+        computed = [s.num_computed_before for s in scheduled]
+        self._check_context(computed, [1] * len(scheduled))
+        logits = self.graphs.run([s.input_token_ids[0] for s in scheduled], [s.block_table for s in scheduled],
+                                 computed)
+        rows = [[b] if s.samples else [] for b, s in enumerate(scheduled)]
+        sampled, accepted, forked, paths = self._sample(scheduled, logits.float(), rows)
+        return ModelRunnerOutput(sampled, accepted, forked, {}, rows, list(range(len(scheduled) + 1)), paths)
+
+    def _check_context(self, computed, new) -> None:
+        """The boundary check of positions (host values, before any tensor): a position past the context
+        would index the position embedding out of range, a device-side assert on CUDA rather than an error."""
+        n_ctx = self.model.config.n_ctx
+        last = max((c + n for c, n in zip(computed, new)), default=0)
+        if last > n_ctx:
+            raise ValueError(f"position {last - 1} is past the context length {n_ctx}")
 
     def _prepare_inputs(self, scheduled, padding=()):
         """The flat batch: input_ids[T], the attention (metadata built once), logits_indices[N], and
@@ -106,6 +137,7 @@ class ModelRunner:
             tables.append(table + [self.scratch_block + i] if context % bs == 0 else table)
             computed.append(context)
             new.append(1)
+        self._check_context(computed, new)
         tree_kw = {"tree_parents": trees} if any(t is not None for t in trees) else {}
         meta = AttentionMetadata.build(tables, computed, new, bs, self.model.device, **tree_kw)
         attn = PagedAttention(self.kv_cache, meta, self.attention_backend)
@@ -225,6 +257,8 @@ class ModelRunner:
             res = [typical_accept(s.spec_token_ids, probabilities(logits[r].cpu(), s.seq.params), *self.typical,
                                   generator=s.seq.generator) for s, r in zip(batch, rows)]
             return [t for t, _ in res], [n for _, n in res]
+        if rejection_sample is _REFERENCE_SAMPLER[0] and getattr(rejection_sample, "_held_out", None) is None:
+            return self._verify_batched(batch, logits, rows)
         k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
         drafts = torch.full((B, k), -1, dtype=torch.long)
         target = torch.zeros(B, k + 1, V)
@@ -239,5 +273,27 @@ class ModelRunner:
         toks, n_acc = rejection_sample(drafts, q, target, [s.seq.generator for s in batch],
                                        num_draft_tokens=[len(s.spec_token_ids) for s in batch],
                                        greedy=[s.seq.params.greedy for s in batch])
+        n_acc = n_acc.tolist()
+        return [row[:a + 1] for row, a in zip(toks.tolist(), n_acc)], n_acc
+
+    def _verify_batched(self, batch, logits, rows):
+        """The same verification in one batched call on the logits' device (``rejection_sample_batched``):
+        p [B, k + 1, V] from one ``batched_probabilities`` over every verified row, q [B, k, V] from the
+        proposer's rows (one-hot where a row has none; None when none has any)."""
+        from minibatch.spec_decode.rejection_sampler import rejection_sample_batched
+        k, V, B, dev = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch), logits.device
+        ks = [len(s.spec_token_ids) for s in batch]
+        idx = [r + [r[0]] * (k + 1 - len(r)) for r in rows]                        # [B, k+1]; padding: never read
+        params = [s.seq.params for s in batch for _ in range(k + 1)]
+        target = batched_probabilities(logits[torch.tensor(idx, device=dev).view(-1)], params).view(B, k + 1, V)
+        drafts = torch.tensor([s.spec_token_ids + [-1] * (k - n) for s, n in zip(batch, ks)], dtype=torch.long)
+        q = None
+        if any(s.seq.spec_probs is not None for s in batch):
+            q = torch.nn.functional.one_hot(drafts.clamp(min=0), V).to(device=dev, dtype=target.dtype)
+            for b, s in enumerate(batch):
+                if s.seq.spec_probs is not None:
+                    q[b, :ks[b]] = s.seq.spec_probs[:ks[b]].to(device=dev, dtype=target.dtype)
+        toks, n_acc = rejection_sample_batched(drafts, q, target, [s.seq.generator for s in batch], ks,
+                                               [s.seq.params.greedy for s in batch])
         n_acc = n_acc.tolist()
         return [row[:a + 1] for row, a in zip(toks.tolist(), n_acc)], n_acc

@@ -38,6 +38,9 @@ from minibatch.kv.kv_cache import KVCache, block_table_tensor, slot_mapping as _
 from minibatch.spec_decode import tree      # tree.mask_bits / positions looked up per call: an exercise patches them
 
 BACKENDS = ("loop", "batched", "triton")
+# Backends whose decode forward has no host sync and no data-dependent shape (tests/test_host_sync.py): they can
+# run a static batch, so CUDA graphs can capture them. "loop" reads lengths back to the host (the teaching version).
+GRAPH_SAFE_BACKENDS = ("batched", "triton")
 RENAMED = {"torch": "loop", "dense": "batched"}       # the names before the re-founding said less
 
 
@@ -64,6 +67,10 @@ class AttentionMetadata:
     max_block_id: int = -1                        # the largest block id any table holds
     plan: dict = field(default_factory=dict)      # backends cache what they derive once per step here
     tree_bits: Optional[torch.Tensor] = None      # [T] int64 tree mask rows (-1: plain causal); None: no tree
+    # A fixed-shape decode batch (engine/input_batch.py): every row one query, the tensors views of persistent
+    # buffers, padding rows with slot -1 and length 0. A graph-safe backend then plans from the device tensors
+    # alone (no host list, no length-dependent shape), so a CUDA graph can replay the step.
+    static: bool = False
 
     @classmethod
     def build(cls, block_tables, num_computed, num_new, block_size: int, device="cpu",

@@ -61,10 +61,15 @@ def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def _store(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The store itself, on slots already checked (AttentionMetadata.build makes none that is -1)."""
+    """The store itself, on slots already checked. A slot of -1 (a padding row of a fixed-shape decode batch,
+    ``engine/input_batch.py``) writes nowhere, with no data-dependent shape: it rewrites row 0's slot with row 0's
+    own K/V, a duplicate write of equal values, so the order of the writes cannot matter (row 0 is always real)."""
     N, bs, Hkv, D = key_cache.shape
-    key_cache.view(N * bs, Hkv, D).index_copy_(0, slot_mapping, key)
-    value_cache.view(N * bs, Hkv, D).index_copy_(0, slot_mapping, value)
+    pad = slot_mapping < 0                                                       # [T]
+    slots = torch.where(pad, slot_mapping[:1], slot_mapping)
+    key, value = (torch.where(pad[:, None, None], x[:1], x) for x in (key, value))
+    key_cache.view(N * bs, Hkv, D).index_copy_(0, slots, key)
+    value_cache.view(N * bs, Hkv, D).index_copy_(0, slots, value)
 
 
 # -- attend: the teaching version (backend "loop") ---------------------------------------------------------
@@ -128,6 +133,20 @@ def _buckets(rows: list, lens: list, max_waste: float = 0.3, max_buckets: int = 
     return out if len(out) > 1 else [rows]         # one bucket: keep batch order (no scatter needed)
 
 
+def _static_decode_plan(md, block_size: int, device) -> tuple:
+    """A fixed-shape decode batch (``md.static``: every row one query, the shapes fixed by the buffers, not by
+    the lengths): the plan from the device tensors alone, so a CUDA graph can replay it. Each row gathers the
+    whole width of its block table, L = W * block_size positions, and masks past its own length; a padding row
+    (length 0, table -1) reads slot 0 through position 0, finite and discarded."""
+    bt = md.block_tables.to(device).long().clamp(min=0)                           # [P, W]
+    L = bt.shape[1] * block_size
+    j = torch.arange(L, device=device)
+    slots = bt[:, j // block_size] * block_size + j % block_size                  # [P, L]
+    valid = j[None] < md.seq_lens.to(device).long().clamp(min=1)[:, None]         # [P, L]
+    slots = torch.where(valid, slots, slots[:, :1])            # past the length: position 0 again (see _plan)
+    return slots, None, None, valid[:, None, None, :]                            # mask [P, 1, 1, L]
+
+
 def _plan(md, block_size: int, device) -> list:
     """Once per step, for each group of rows (decodes; the rest): the gather slots [G, L], the flat query
     rows [G, Q] (None: the group is every row, in order, the same number of queries each), which of those are
@@ -135,6 +154,9 @@ def _plan(md, block_size: int, device) -> list:
     for tree rows (only ever in the rest: a tree of 2+ nodes has q_len > 1; a root alone sees what a decode
     sees) the tree's."""
     if "batched" in md.plan:
+        return md.plan["batched"]
+    if md.static:
+        md.plan["batched"] = [_static_decode_plan(md, block_size, device)]
         return md.plan["batched"]
     q_lens, s_lens = md.query_lens_list, md.seq_lens_list
     starts = [0]
@@ -198,10 +220,11 @@ def _batched(query, key_cache, value_cache, md, scale):
                                            enable_gqa=H != Hkv).transpose(1, 2)      # [G, Q, H, D]
         if q_rows is None:
             return o.reshape(T, H, D).to(query.dtype)                                # the flat rows, in order
-        if out is None:
-            out = torch.empty_like(query)
-        out[q_rows[q_valid]] = o[q_valid].to(query.dtype)
-    return out
+        if out is None:           # one spare row T: a group's padding queries land there (no boolean mask,
+            out = query.new_empty(T + 1, H, D)                              # so no host sync), then dropped
+        rows = torch.where(q_valid, q_rows, T).view(-1)
+        out.index_copy_(0, rows, o.reshape(-1, H, D).to(query.dtype))
+    return out[:T]
 
 
 # -- triton -------------------------------------------------------------------------------------------------------

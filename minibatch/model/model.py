@@ -163,11 +163,12 @@ class GPT(nn.Module):
           (``ModelRunner._forward``). ``hidden_states`` may then name only i >= E.
         Returns logits, or (logits, hidden dict) when ``hidden_states`` is given.
         """
+        # Positions are checked against n_ctx by the caller, on host values (ModelRunner._check_context,
+        # forward_sequences): reading a device tensor back here would sync every step, and on CUDA a position
+        # past the context is a device-side assert in wpe, not an error.
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"expected flat input_ids[T] and positions[T]; got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
-        if positions.numel() and positions.device.type == "cpu" and int(positions.max()) >= self.config.n_ctx:
-            raise ValueError(f"position {int(positions.max())} is past the context length {self.config.n_ctx}")
         n_run = self.config.n_layer if exit_layer is None else exit_layer
         if not 0 <= n_run <= self.config.n_layer:
             raise ValueError(f"exit_layer must lie in 0..{self.config.n_layer}, got {exit_layer!r}")
@@ -243,6 +244,8 @@ class DenseAttention:
 def forward_sequences(model: GPT, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Convenience: logits[len(s), V] for each complete token list, in one flat batch (inference only)."""
     dev = model.device
+    if max((len(s) for s in seqs), default=0) > model.config.n_ctx:
+        raise ValueError(f"position {max(len(s) for s in seqs) - 1} is past the context length {model.config.n_ctx}")
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
     pos = torch.tensor([p for s in seqs for p in range(len(s))], dtype=torch.long, device=dev)
     logits = model(ids, pos, DenseAttention([len(s) for s in seqs]))

@@ -17,7 +17,8 @@ import math
 import torch
 
 from minibatch.model.model import GPT, DenseAttention
-from minibatch.engine.sampler import SamplingParams, find_stop, make_generator, probabilities
+from minibatch.engine.sampler import (SamplingParams, exponential_noise, find_stop, make_generator, probabilities,
+                                      race)
 
 
 def check_request(model: GPT, prompt_ids, params: SamplingParams) -> None:
@@ -32,7 +33,8 @@ def check_request(model: GPT, prompt_ids, params: SamplingParams) -> None:
 def _next_token(logits: torch.Tensor, params: SamplingParams, gen) -> int:
     if params.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params).cpu(), 1, generator=gen))
+    probs = probabilities(logits, params)              # the engine's draw rule, one row: the exponential race
+    return int(race(probs, exponential_noise(probs.shape, gen, probs.device)))
 
 
 def _finish(out: list[int], params: SamplingParams):

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregated", action="store_true",
                    help="a prefill instance and a decode instance behind this endpoint (minibatch/distributed/)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
 
 
 def make_llm(args):
@@ -54,7 +55,8 @@ def make_llm(args):
                block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
                enable_prefix_caching=args.enable_prefix_caching, scheduling=args.scheduling,
                attention_backend=args.attention_backend, speculative_config=spec,
-               tensor_parallel_size=args.tensor_parallel_size, disaggregated=args.disaggregated)
+               tensor_parallel_size=args.tensor_parallel_size, disaggregated=args.disaggregated,
+               enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def serve(args) -> int:

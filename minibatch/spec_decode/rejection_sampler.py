@@ -121,6 +121,52 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.
             torch.tensor(num_accepted, dtype=torch.int64, device=dev))
 
 
+def rejection_sample_batched(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                             target_probs: torch.Tensor, generators: list, num_draft_tokens: list,
+                             greedy: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample``'s rule, every row at once on target_probs' device, no loop and no host sync: the
+    engine's fast path (the reference above stays the definition, and exercise 4's target). Same arguments and
+    returns, built by the engine (not re-checked). What differs is only how the randomness is drawn: every row
+    draws k uniforms up front (the reference stops at the first rejection) and picks its last token by the
+    exponential race (``sampler.race``), so a seeded row samples the same in any batch, but not the same tokens
+    as the reference; tests/test_batched_rejection.py holds the two to one distribution, and greedy rows equal.
+
+    Per row b, with x_i its drafts, u_i ~ U[0, 1): accept while u_i q_i(x_i) < p_i(x_i) (greedy: x_i = argmax p_i),
+    n = the accepted prefix's length (a cumulative product); then the token at n from p_n, or, when x_n was
+    rejected, from the residual max(0, p_n - q_n) (q one-hot: p_n without x_n)."""
+    from minibatch.engine.sampler import exponential_noise, race
+    p = target_probs                                                             # [B, k+1, V]
+    B, k1, V = p.shape
+    k, dev = k1 - 1, p.device
+    x = draft_token_ids.to(dev).clamp(0, V - 1)                                 # [B, k] (padding: never read)
+    ks = torch.tensor(num_draft_tokens, device=dev)
+    greedy = torch.tensor(greedy, device=dev)
+    u = torch.rand(B, k, device=dev, dtype=p.dtype)                             # unseeded rows
+    e = exponential_noise((B, V), None, dev).to(p.dtype)
+    for b, g in enumerate(generators):
+        if g is not None:                         # a seeded row's draws all come from its own generator
+            u[b] = torch.rand(k, generator=g, device=g.device, dtype=p.dtype).to(dev)
+            e[b] = exponential_noise(V, g, dev).to(p.dtype)
+    p_x = p[:, :k].gather(-1, x[..., None])[..., 0]                             # [B, k] p_i(x_i)
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, x[..., None])[..., 0]
+    best = p.argmax(-1)                                                         # [B, k+1]
+    ok = torch.where(greedy[:, None], x == best[:, :k], u * q_x < p_x)
+    ok &= torch.arange(k, device=dev)[None] < ks[:, None]
+    n = ok.long().cumprod(1).sum(1)                                             # [B] drafts accepted
+    at = n.clamp(max=k - 1)[:, None]                                            # the rejected position, if any
+    dist = p.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]                  # [B, V] p_n
+    if draft_probs is None:
+        residual = dist.scatter(1, x.gather(1, at), 0.0)
+    else:
+        residual = (dist - draft_probs.gather(1, at[..., None].expand(B, 1, V))[:, 0]).clamp(min=0)
+    use = (n < ks) & (residual.sum(-1) > 0)                                    # all zero only if p == q
+    extra = race(torch.where(use[:, None], residual, dist), e)                 # unnormalised: race needs no sum
+    extra = torch.where(greedy, best.gather(1, n[:, None])[:, 0], extra)
+    j = torch.arange(k + 1, device=dev)[None]
+    tokens = torch.where(j < n[:, None], torch.cat([x, x[:, :1]], 1), -1)
+    return tokens.scatter(1, n[:, None], extra[:, None]), n
+
+
 # -- token trees ------------------------------------------------------------------------------------------------------
 
 def tree_rejection_sample(parents, tokens, target_probs: torch.Tensor, draft_probs: Optional[torch.Tensor] = None,

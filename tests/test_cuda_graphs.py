@@ -1,0 +1,140 @@
+"""CUDA graphs for decode (engine/cuda_graphs.py): the graph path equals the plain one, token for token.
+
+On the CPU, cuda_graph_mode="eager-replay" runs exactly what a graph would replay (the fixed buffers, the batch
+padded up to a captured size with slot -1 / length 0 rows, the fixed-shape forward), with no capture; CI holds
+it to the plain path at batch sizes 1, 3, 16 and 17, with sequences finishing mid-batch, greedy and seeded.
+The `gpu` test replays real graphs under torch.cuda.set_sync_debug_mode("error").
+"""
+import pytest
+import torch
+
+from minibatch import LLM, SamplingParams
+from minibatch.engine.config import EngineConfig
+from minibatch.engine.cuda_graphs import capture_sizes
+from minibatch.model.data import val_documents
+
+DOCS = val_documents(17, min_len=200, seed=5)
+
+
+def workload(n, seeded):
+    prompts = [list(DOCS[i][: 3 + 7 * i]) for i in range(n)]        # 3 .. 115 bytes: mixed lengths
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i, max_tokens=4 + i % 5) if seeded
+              else SamplingParams(temperature=0, max_tokens=4 + i % 5) for i in range(n)]   # finish mid-batch
+    return prompts, params
+
+
+def generate(model, prompts, params, **cfg):
+    llm = LLM(model, max_num_batched_tokens=2048, **cfg)
+    runner, calls = llm.llm_engine.model_runner.graphs, []
+    if runner is not None:                          # count the steps that went through the graph buffers
+        run = runner.run
+        runner.run = lambda *a: calls.append(len(a[0])) or run(*a)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], calls
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("n,max_num_seqs", [(1, 32), (3, 32), (16, 32), (17, 32), (17, 17)])
+def test_replay_without_capture_equals_the_plain_path(target_model, n, max_num_seqs, seeded):
+    prompts, params = workload(n, seeded)
+    plain, none = generate(target_model, prompts, params, max_num_seqs=max_num_seqs)
+    graph, calls = generate(target_model, prompts, params, max_num_seqs=max_num_seqs, cuda_graph_mode="eager-replay")
+    assert none == [] and graph == plain
+    largest = capture_sizes(max_num_seqs)[-1]
+    assert calls and max(calls) <= largest, "the decode steps went through the graph buffers, up to the largest"
+    assert n > largest or max(calls) == n, "every decode step of a batch within the captured sizes did"
+    assert len(set(calls)) > 1 or n == 1, "sequences finished mid-batch, and the batch shrank"
+
+
+@pytest.mark.interpreter
+def test_replay_without_capture_equals_the_plain_path_on_triton(target_model):
+    """The other graph-safe backend: Triton's kernels over the padded buffers (through the interpreter on the
+    CPU; a batch of 3 padded to 4, so one row has slot -1 and length 0)."""
+    prompts, params = workload(3, seeded=False)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i) for i in range(3)]
+    plain, _ = generate(target_model, prompts, params, attention_backend="triton")
+    graph, calls = generate(target_model, prompts, params, attention_backend="triton", cuda_graph_mode="eager-replay")
+    assert graph == plain and calls and max(calls) == 3
+
+
+def test_sizes_are_nano_vllms():
+    assert capture_sizes(1) == [1] and capture_sizes(3) == [1, 2]
+    assert capture_sizes(17) == [1, 2, 4, 8, 16] and capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_cpu_engines_do_not_capture(target_model):
+    assert LLM(target_model).llm_engine.model_runner.graphs is None
+    assert LLM(target_model, enforce_eager=True).llm_engine.model_runner.graphs is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cuda_graph_sizes=[1, 2, 64], max_num_seqs=32), "over max_num_seqs=32"),
+    (dict(cuda_graph_sizes=[]), "non-empty list"),
+    (dict(cuda_graph_sizes=[0]), "cuda_graph_sizes must be an int >= 1"),
+    (dict(cuda_graph_mode="capture"), "choose one of"),
+    (dict(enforce_eager=True, cuda_graph_mode="eager-replay"), "turns CUDA graphs off"),
+    (dict(enforce_eager="yes"), "True or False"),
+])
+def test_bad_graph_options_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_cuda_only_options_on_a_cpu_engine_are_clear_errors(target_model):
+    with pytest.raises(ValueError, match="CUDA option, and this engine runs on cpu"):
+        LLM(target_model, cuda_graph_sizes=[1, 2])
+    with pytest.raises(ValueError, match="graph-safe attention backend"):
+        LLM(target_model, attention_backend="loop", cuda_graph_mode="eager-replay")
+    LLM(target_model, cuda_graph_sizes=[1, 2], cuda_graph_mode="eager-replay")      # the CPU mode takes them
+
+
+def test_a_position_past_the_context_is_an_error_at_the_boundary(target_model):
+    """Checked on host values before the forward (on CUDA, wpe out of range would be a device-side assert)."""
+    from minibatch.engine.model_runner import ModelRunner
+    runner = LLM(target_model).llm_engine.model_runner
+    with pytest.raises(ValueError, match="position 512 is past the context length 512"):
+        ModelRunner._check_context(runner, [500, 3], [13, 1])
+    ModelRunner._check_context(runner, [500, 3], [12, 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["batched", "triton"])
+def test_graph_replay_does_not_sync_and_equals_eager_on_cuda(backend):
+    """Real graphs on a GPU: replay under set_sync_debug_mode("error") (a sync inside raises), greedy output
+    equal to enforce_eager's."""
+    from minibatch.model.weights import load_model
+    model = load_model("target", device="cuda")
+    prompts, params = workload(17, seeded=False)
+    eager, _ = generate(model, prompts, params, attention_backend=backend, enforce_eager=True)
+    llm = LLM(model, attention_backend=backend, max_num_batched_tokens=2048)
+    runner = llm.llm_engine.model_runner.graphs
+    assert runner is not None and runner.graphs, "graphs are on by default on CUDA"
+    replay, replays = runner.run, []
+
+    def strict(*a):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return replay(*a)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            replays.append(len(a[0]))
+    runner.run = strict
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert replays and [o.outputs[0].token_ids for o in outs] == eager
+
+
+def test_enforce_eager_on_the_command_lines(capsys):
+    """vLLM's --enforce-eager: accepted by generate (same text as without it on a CPU) and by serve's parser."""
+    import argparse
+
+    from minibatch.__main__ import main
+    from minibatch.serve.server import add_arguments, make_llm
+    texts = []
+    for extra in ([], ["--enforce-eager"]):
+        assert main(["generate", "def f(x):", "--max-tokens", "6", "--device", "cpu", *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--enforce-eager", "--device", "cpu"])
+    assert make_llm(args).llm_engine.config.enforce_eager is True
