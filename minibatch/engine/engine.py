@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from minibatch.engine import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
@@ -131,6 +132,7 @@ class LLMEngine:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
         changed, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs.record(scheduler_output, runner_output)
         t_propose = time.perf_counter()
         if self.proposer is not None:
             for seq in scheduler_output.preempted + finished:
