@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -138,6 +139,7 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
+        arrival = time.perf_counter()
         if body.model is not None and body.model != served_model_name:
             return error(404, f"The model `{body.model}` does not exist; this server serves "
                               f"`{served_model_name}`.", "model", "not_found_error")
@@ -155,7 +157,7 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
         rids = [cmpl_id] if len(prompts) == 1 else [f"{cmpl_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(asyncio.get_running_loop(), rids)
         try:
-            await asyncio.wrap_future(loop_.add(stream, prompts, params))
+            await asyncio.wrap_future(loop_.add(stream, prompts, params, arrival))
         except (ValueError, TypeError) as e:
             return error(400, str(e))
         except (ServerOverloaded, EngineDead) as e:
@@ -164,7 +166,8 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
         job = _Job(cmpl_id, served_model_name, rids, params, body)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _AbortOnClose(job.sse(stream, usage), lambda: loop_.abort(rids))
+            continuous = bool(usage and body.stream_options.continuous_usage_stats)
+            return _AbortOnClose(job.sse(stream, usage, continuous), lambda: loop_.abort(rids))
         collect = asyncio.ensure_future(job.collect(stream))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
@@ -231,7 +234,7 @@ class _Job:
                 choices.append(self._final_choice(rid, out, o))
         return P.completion_body(self.id, self.model, choices, P.usage(prompt_tokens, completion_tokens))
 
-    async def sse(self, stream: RequestStream, include_usage: bool):
+    async def sse(self, stream: RequestStream, include_usage: bool, continuous: bool = False):
         deltas, done_choices, finished, prompt_tokens, completion_tokens = {}, set(), set(), 0, 0
         while len(finished) < len(self.index):
             out = await stream.queue.get()
@@ -254,7 +257,7 @@ class _Job:
                     c = P.choice(key, text, o.finish_reason, ids if self.ret_ids else None, lp)
                     body = P.completion_body(self.id, self.model, [c], None)
                     if include_usage:
-                        body["usage"] = None
+                        body["usage"] = P.usage(len(out.prompt_token_ids), len(o.token_ids)) if continuous else None
                     yield _event(body)
             if out.finished:
                 finished.add(out.request_id)

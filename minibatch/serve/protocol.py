@@ -9,7 +9,7 @@ so the server and ``LLM.generate`` accept exactly the same requests.
 ``logprobs`` (the top N, N <= ``MAX_LOGPROBS``), ``echo`` (the prompt before the completion; with
 ``logprobs``, scored: ``max_tokens: 0`` scores a prompt and generates nothing), ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``prompt_logprobs`` and ``return_token_ids`` are vLLM's extensions (pass them with
+``stop_token_ids``, ``prompt_logprobs``, ``ignore_eos`` and ``return_token_ids`` are vLLM's extensions (pass them with
 ``extra_body`` from the ``openai`` client). ``best_of`` and ``suffix`` are accepted only at their
 defaults, so a stock client works and a request that relies on them gets a 400 instead of a quietly
 different answer.
@@ -31,6 +31,7 @@ _UNSUPPORTED_DEFAULTS = {"best_of": None, "suffix": None}
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # vLLM extension: usage so far in every chunk (guidellm asks for it)
 
 
 class CompletionRequest(BaseModel):
@@ -58,6 +59,7 @@ class CompletionRequest(BaseModel):
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None       # vLLM extension: each choice's "prompt_logprobs"
+    ignore_eos: bool = True                     # vLLM extension (load generators send it); a byte model has no EOS
     # OpenAI fields minibatch does not implement: accepted at their defaults only
     best_of: Optional[int] = None
     suffix: Optional[str] = None
