@@ -88,11 +88,11 @@ class CompletionRequest(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError for bad values, with SamplingParams' own message."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        prompt_logprobs = self.prompt_logprobs
+        prompt_logprobs = self.prompt_logprobs         # max_tokens 0 (echo): one token runs, and is not returned
         if self.echo and self.logprobs is not None:           # an echoed prompt is scored as well
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         return SamplingParams(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_tokens=max(max_tokens, 1), seed=self.seed, stop=stop, logprobs=self.logprobs,
+                              max_tokens=max_tokens or 1, seed=self.seed, stop=stop, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias, min_tokens=self.min_tokens,
