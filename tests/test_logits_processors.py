@@ -92,7 +92,8 @@ def test_greedy_equals_the_oracle_with_and_without_speculation(target_model, dra
     refs = [oracle_greedy(target_model, p, params) for p in prompts]
     plain_refs = [oracle_greedy(target_model, p, SamplingParams(temperature=0, max_tokens=14)) for p in prompts]
     assert refs != plain_refs, f"{control} changes no greedy output here: the test would not see it ignored"
-    for spec in (None, {"method": "draft", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 2}):
+    for spec in (None, {"method": "draft", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 2},
+                 {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 6, "depth": 3, "topk": 2}):
         llm = LLM(target_model, draft_model=draft_model if spec and spec["method"] == "draft" else None,
                   speculative_config=spec, max_num_batched_tokens=32)
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -14,7 +14,8 @@ from minibatch.serve import ServerThread
 
 PROMPTS = ["def fib(n):\n    ", "class Stack:\n    def push(self, x):\n", "import os\nimport sys\n"]
 SPECS = {"plain": None, "draft k3": {"method": "draft", "num_speculative_tokens": 3},
-         "ngram k2": {"method": "ngram", "num_speculative_tokens": 2}}
+         "ngram k2": {"method": "ngram", "num_speculative_tokens": 2},
+         "eagle tree": {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 6, "depth": 3, "topk": 2}}
 
 
 def oracle_entries(model, prompt: list, output: list, params) -> list:
@@ -44,7 +45,7 @@ def check(entries, want, num):
 def test_output_logprobs_equal_the_oracle(target_model, draft_model, spec, temperature):
     cfg = SPECS[spec]
     llm = LLM(target_model, draft_model=draft_model if cfg and cfg["method"] == "draft" else None,
-              speculative_config=cfg, max_num_batched_tokens=32)
+              speculative_config=cfg, max_num_batched_tokens=32, block_size=8, num_gpu_blocks=12, max_num_seqs=3)
     params = SamplingParams(temperature=temperature, max_tokens=12, logprobs=3, seed=5, repetition_penalty=1.2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
@@ -56,6 +57,7 @@ def test_output_logprobs_equal_the_oracle(target_model, draft_model, spec, tempe
             assert all(e[t].rank == 1 for e, t in zip(c.logprobs, c.token_ids))
     if cfg:
         assert sum(o.outputs[0].spec["accepted"] for o in outs) > 0, "no draft accepted: speculation untested"
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption: the recompute path went untested"
 
 
 def test_logprobs_follow_forks_and_stop_strings(target_model):
