@@ -119,6 +119,13 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, target_model):
     # lm-eval's request: echo, max_tokens 1, logprobs 1: the prompt scored, then one generated token
     c = post(server, prompt=ids, max_tokens=1, echo=True, logprobs=1).json()["choices"][0]
     assert c["logprobs"]["token_logprobs"][:-1] == lp["token_logprobs"] and len(c["logprobs"]["tokens"]) == len(ids) + 1
+    # vLLM's prompt_logprobs extension: the prompt token and the top 1, keyed by token id
+    c = post(server, prompt=prompt, max_tokens=1, echo=True, logprobs=3, prompt_logprobs=1).json()["choices"][0]
+    pl = c["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for i in range(1, len(ids)):
+        assert pl[i][str(ids[i])]["logprob"] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-5)
+        assert {v["rank"] for v in pl[i].values()} <= {1, pl[i][str(ids[i])]["rank"]}
 
 
 def test_completion_logprobs_match_the_engine_and_stream(server):

@@ -199,7 +199,7 @@ class _Job:
         self.id, self.model, self.params, self.ret_ids = cmpl_id, model, params, body.return_token_ids
         self.index = {rid: i for i, rid in enumerate(rids)}     # engine request id -> prompt index
         self.echo, self.num_logprobs, self.score_only = body.echo, body.logprobs, body.max_tokens == 0
-        self.prompt_logprobs = body.prompt_logprobs is not None
+        self.num_prompt_logprobs = body.prompt_logprobs           # may be fewer than echo's logprobs asked the engine
 
     def _final_choice(self, rid, out, o) -> dict:
         """One finished choice: its text (after the prompt, with echo), and its logprobs when asked."""
@@ -210,9 +210,11 @@ class _Job:
             ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
         lp = None if self.num_logprobs is None else P.completion_logprobs(ids, entries, self.num_logprobs)
         c = P.choice(self._choice_index(rid, o), decode(ids), reason, ids if self.ret_ids else None, lp)
-        if self.prompt_logprobs:              # vLLM's extension: {token id: {logprob, rank, decoded_token}}
-            c["prompt_logprobs"] = [None if e is None else {str(t): vars(v) for t, v in e.items()}
-                                    for e in out.prompt_logprobs]
+        if self.num_prompt_logprobs is not None:   # vLLM's extension: {token id: {logprob, rank, decoded_token}}
+            n = self.num_prompt_logprobs
+            c["prompt_logprobs"] = [None if e is None else {str(t): vars(v) for t, v in e.items()
+                                                            if v.rank <= n or t == tok}
+                                    for e, tok in zip(out.prompt_logprobs, out.prompt_token_ids)]
         return c
 
     def _choice_index(self, rid, output) -> int:
