@@ -161,14 +161,16 @@ BAD = [  # (what, body, status, fragment of the message)
     ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p must lie in (0, 1]"),
     ("top_p > 1", {"prompt": "x", "top_p": 1.5}, 400, "top_p must lie in (0, 1]"),
     ("top_k -2", {"prompt": "x", "top_k": -2}, 400, "top_k must be"),
-    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be an integer >= 1"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "`max_tokens: 0` is allowed only with `echo: true`"),
+    ("max_tokens -1", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
     ("n 0", {"prompt": "x", "n": 0}, 400, "n must be an integer >= 1"),
     ("n over max_num_seqs", {"prompt": "x", "n": 17}, 400, "exceeds max_num_seqs=16"),
     ("empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop must be non-empty"),
     ("empty prompt", {"prompt": ""}, 400, "the prompt is empty"),
     ("one bad prompt of two", {"prompt": ["def f(x):", ""]}, 400, "the prompt is empty"),   # neither is kept
     ("token id out of range", {"prompt": [65, 300]}, 400, "token ids in [0, 256)"),
-    ("unimplemented field", {"prompt": "x", "logprobs": 3}, 400, "`logprobs` is not supported"),
+    ("unimplemented field", {"prompt": "x", "suffix": "}"}, 400, "`suffix` is not supported"),
+    ("logprobs over the limit", {"prompt": "x", "logprobs": 21}, 400, "logprobs must be an int in [0, 20]"),
     ("unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
 ]
 

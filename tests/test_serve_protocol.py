@@ -67,8 +67,9 @@ def test_a_possible_stop_string_is_held_back_until_it_is_decided():
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": 5}, "prompt"),
     ({"max_tokens": 5}, "prompt: Field required"),
-    ({"prompt": "x", "echo": True}, "`echo` is not supported"),
-    ({"prompt": "x", "logprobs": 2}, "`logprobs` is not supported"),
+    ({"prompt": "x", "suffix": "}"}, "`suffix` is not supported"),
+    ({"prompt": "x", "echo": True, "stream": True}, "`echo` is supported without `stream` only"),
+    ({"prompt": "x", "max_tokens": 0}, "`max_tokens: 0` is allowed only with `echo: true`"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with `stream: true`"),
     ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage: unknown field"),
 ])

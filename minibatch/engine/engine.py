@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from minibatch.engine import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
 from minibatch.engine.model_runner import ModelRunner
@@ -150,6 +151,7 @@ class LLMEngine:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
         changed, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs.record(scheduler_output, runner_output)
         t_propose = time.perf_counter()
         if self.proposer is not None:
             for seq in scheduler_output.preempted + finished:

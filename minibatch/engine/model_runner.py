@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from minibatch.engine import logprobs as lp
+from minibatch.engine.logits_processors import apply_logits_processors
 from minibatch.engine.sampler import Sampler, batched_probabilities, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode import tree
@@ -54,6 +56,9 @@ class ModelRunnerOutput:
                                                         # (hidden_states has all T rows when the proposer asks)
     accepted_paths: list = field(default_factory=list)  # [B] lists: a tree's accepted nodes [0, c1, ..., ca]
                                                         # ([] for a chain or no drafts)
+    logprobs: list = field(default_factory=list)        # [B]: [{token: Logprob}] per sampled token, or None
+    forked_logprobs: list = field(default_factory=list) # [B]: the same for the children's first tokens, or None
+    prompt_logprobs: list = field(default_factory=list) # [B]: a prompt's [None, {token: Logprob}, ...], or None
 
 
 class ModelRunner:
@@ -84,11 +89,24 @@ class ModelRunner:
             start = self.proposer.verify_start(out.scheduled, attn.metadata.slot_mapping, qsl)
         result = self._forward(input_ids, attn, logits_idx, start, batch, qsl)
         logits, hidden = result if self.hidden_states else (result, {})
-        sampled, accepted, forked, paths = self._sample(out.scheduled, logits.float(), rows)
+        logits = apply_logits_processors(logits.float(), out.scheduled, rows)    # the requests' controls
+        sampled, accepted, forked, paths = self._sample(out.scheduled, logits, rows)
         qsl = qsl[: len(out.scheduled) + 1]                                      # without the padding rows
         if any(paths):
             self._keep_paths(paths, attn.metadata.slot_mapping, qsl, rows, hidden)
-        return ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
+        result = ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
+        self._logprobs(result, out.scheduled, logits)
+        return result
+
+    def _logprobs(self, result, scheduled, logits) -> None:
+        """The logprobs requests ask for (engine/logprobs.py): their sampled tokens' from the processed
+        target rows, and a prompt's once it is complete."""
+        if any(s.seq.params.logprobs is not None for s in scheduled):
+            result.logprobs, result.forked_logprobs = lp.sample_logprobs(
+                scheduled, logits, result.logits_rows, result.sampled_token_ids, result.accepted_paths,
+                result.forked_token_ids)
+        if any(s.seq.params.prompt_logprobs is not None for s in scheduled):
+            result.prompt_logprobs = lp.prompt_rows(self.model, scheduled)
 
     def _replayable(self, out) -> bool:
         """A pure-decode step the graph runner can take: one new token per sequence, no drafts or tree, no
@@ -104,8 +122,11 @@ class ModelRunner:
         logits = self.graphs.run([s.input_token_ids[0] for s in scheduled], [s.block_table for s in scheduled],
                                  computed)
         rows = [[b] if s.samples else [] for b, s in enumerate(scheduled)]
-        sampled, accepted, forked, paths = self._sample(scheduled, logits.float(), rows)
-        return ModelRunnerOutput(sampled, accepted, forked, {}, rows, list(range(len(scheduled) + 1)), paths)
+        logits = apply_logits_processors(logits.float(), scheduled, rows)        # the requests' controls
+        sampled, accepted, forked, paths = self._sample(scheduled, logits, rows)
+        result = ModelRunnerOutput(sampled, accepted, forked, {}, rows, list(range(len(scheduled) + 1)), paths)
+        self._logprobs(result, scheduled, logits)
+        return result
 
     def _check_context(self, computed, new) -> None:
         """The boundary check of positions (host values, before any tensor): a position past the context

@@ -56,6 +56,7 @@ class CompletionOutput:
     finish_reason: Optional[str] = None     # "length", "stop", "abort"; None while running
     spec: Optional[dict] = None             # this sequence's speculative statistics (SpecStats.to_dict), and
                                             # "lossless": False under typical acceptance (spec_decode/typical.py)
+    logprobs: Optional[list] = None         # [{token_id: Logprob}] per token (SamplingParams.logprobs; logprobs.py)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RequestOutput:
     outputs: list                           # [CompletionOutput], one per sample
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: Optional[list] = None  # [None, {token_id: Logprob}, ...] (SamplingParams.prompt_logprobs)
 
 
 def request_output(req, with_spec: bool, lossless: bool = True) -> RequestOutput:
@@ -77,7 +79,10 @@ def request_output(req, with_spec: bool, lossless: bool = True) -> RequestOutput
     m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
     m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
     m.num_cached_tokens = req.seqs[0].num_cached_tokens
+    want = req.params.logprobs is not None
     outs = [CompletionOutput(s.index, decode(s.output_token_ids), s.output_token_ids, s.finish_reason,
-                             s.spec_stats.to_dict() | {"lossless": lossless} if with_spec else None)
+                             s.spec_stats.to_dict() | {"lossless": lossless} if with_spec else None,
+                             list(req.logprobs.get(s.index, [])) if want else None)
             for s in sorted(req.seqs, key=lambda s: s.index)]
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, m)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, m,
+                         req.prompt_logprobs)

@@ -25,6 +25,10 @@ from typing import Optional
 
 import torch
 
+from minibatch.model.tokenizer import VOCAB_SIZE as VOCAB
+
+MAX_LOGPROBS = 20        # vLLM's default max_logprobs: the most top alternatives a request may ask for
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +40,15 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list = field(default_factory=list)   # stop strings; the output is cut before the match
     ignore_eos: bool = True         # a byte model has no end-of-sequence token; kept for vLLM parity
+    # logprobs (engine/logprobs.py) and the sampling controls (engine/logits_processors.py), vLLM's names and ranges
+    logprobs: Optional[int] = None          # per output token: its logprob and the top `logprobs` (<= MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = None   # the same for every prompt token after the first
+    presence_penalty: float = 0.0           # [-2, 2]: minus this once for every token already in the output
+    frequency_penalty: float = 0.0          # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0         # > 0: a seen token's (prompt or output) logit / p if > 0, * p if < 0
+    logit_bias: Optional[dict] = None       # {token id: bias in [-100, 100]} added to the logits
+    min_tokens: int = 0                     # stop_token_ids are masked until this many tokens are out
+    stop_token_ids: list = field(default_factory=list)   # finish ("stop") once one is generated, kept in the output
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,9 +64,38 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
         ]
-        for ok, msg in checks:
+        for ok, msg in checks + self._control_checks():
             if not ok:
                 raise ValueError(msg)
+        if self.logit_bias:                  # JSON keys arrive as strings ("65": 5): token ids from here on
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    def _control_checks(self) -> list:
+        """(ok, message) for the logprobs and sampling-control fields, with vLLM's ranges."""
+        def count(v):
+            return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS)
+        def token(t):                        # an int id, or its decimal string (a JSON object's key)
+            if isinstance(t, str):
+                t = int(t) if t.strip().lstrip("-").isdigit() else None
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB
+        bias = self.logit_bias or {}
+        return [
+            (count(self.logprobs), f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
+            (count(self.prompt_logprobs),
+             f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must lie in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must lie in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
+            (isinstance(bias, dict) and all(token(k) for k in bias),
+             f"logit_bias keys must be token ids in [0, {VOCAB}), got {sorted(bias, key=str)[:5]!r}"),
+            (all(isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values()),
+             f"logit_bias values must lie in [-100, 100], got {list(bias.values())[:5]!r}"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"),
+            (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and token(t) for t in self.stop_token_ids),
+             f"stop_token_ids must be token ids in [0, {VOCAB}), got {self.stop_token_ids!r}"),
+        ]
 
     @property
     def greedy(self) -> bool:
@@ -157,16 +199,18 @@ def make_generator(seed: Optional[int], device="cpu") -> Optional[torch.Generato
     return g
 
 
-def find_stop(output_ids: list[int], stop: list[str]) -> Optional[int]:
-    """Index at which to cut the output before the earliest stop string, or None.
+def find_stop(output_ids: list[int], stop: list[str], stop_token_ids=()) -> Optional[int]:
+    """Index at which to cut the output before the earliest stop string (or just after the earliest stop token
+    id: vLLM keeps a stop token in the output), or None.
 
     Matching is on bytes, so a stop string is found even while the output ends
     in the middle of a multibyte character.
     """
-    if not stop:
+    if not stop and not stop_token_ids:
         return None
     data = bytes(output_ids)
     hits = [i for i in (data.find(s.encode("utf-8")) for s in stop) if i >= 0]
+    hits += [i + 1 for i, t in enumerate(output_ids) if t in stop_token_ids][:1]
     return min(hits) if hits else None
 
 

@@ -234,7 +234,7 @@ class SchedulerBase:
         """Append sampled tokens (up to max_tokens), cache the computed blocks, apply stop strings."""
         seq.token_ids += toks[: seq.params.max_tokens - seq.num_output_tokens]
         self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
-        cut = find_stop(seq.output_token_ids, seq.params.stop)
+        cut = find_stop(seq.output_token_ids, seq.params.stop, seq.params.stop_token_ids)
         if cut is not None:
             del seq.token_ids[seq.num_prompt_tokens + cut:]
             self.finish(seq, "stop")

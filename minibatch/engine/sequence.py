@@ -49,6 +49,8 @@ class Request:
     metrics: Optional[RequestMetrics] = None
     seqs: list = field(default_factory=list)
     generators: list = field(default_factory=list)   # sample i draws from generators[i] (None: the engine's)
+    logprobs: dict = field(default_factory=dict)     # sample index -> [{token: Logprob}] per output token
+    prompt_logprobs: Optional[list] = None           # [None, {token: Logprob}, ...] (engine/logprobs.py)
 
     def __post_init__(self):
         if self.metrics is None:

@@ -4,6 +4,9 @@
     GET  /v1/models        the one served model
     GET  /health           200 while the engine loop is sound, 503 with the reason once it is not
     GET  /metrics          Prometheus text, vLLM's metric names (minibatch.serve.metrics)
+    POST /tokenize         vLLM's: {"prompt"} -> {"tokens", "count", "max_model_len"} (bytes: a token per byte)
+    POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
+    GET  /tokenizer_info   vLLM's: the special tokens (a byte model has none); lm-eval's "remote" tokenizer
     GET  /                 the live view: batch timeline and block pool, drawn from StepTraces
     GET  /live/events      those StepTraces, as server-sent events (?after=STEP: only later steps)
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,7 +33,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minibatch.model.tokenizer import encode
+from minibatch.model.tokenizer import decode, encode
 from minibatch.serve import protocol as P
 from minibatch.serve.engine_loop import EngineDead, EngineLoop, RequestStream, ServerOverloaded
 from minibatch.serve.live import LiveFeed, live_page
@@ -103,6 +107,20 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
                                             "owned_by": "minibatch", "root": served_model_name,
                                             "max_model_len": max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: P.TokenizeRequest):
+        tokens = encode(body.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: P.DetokenizeRequest):
+        return {"prompt": decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": "minibatch.model.tokenizer (bytes)", "vocab_size": 256, "eos_token": None,
+                "bos_token": None, "pad_token": None, "model_max_length": max_model_len}
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -121,6 +139,7 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
+        arrival = time.perf_counter()
         if body.model is not None and body.model != served_model_name:
             return error(404, f"The model `{body.model}` does not exist; this server serves "
                               f"`{served_model_name}`.", "model", "not_found_error")
@@ -138,16 +157,17 @@ def build_app(llm, served_model_name: str = "target", max_pending_requests: int 
         rids = [cmpl_id] if len(prompts) == 1 else [f"{cmpl_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(asyncio.get_running_loop(), rids)
         try:
-            await asyncio.wrap_future(loop_.add(stream, prompts, params))
+            await asyncio.wrap_future(loop_.add(stream, prompts, params, arrival))
         except (ValueError, TypeError) as e:
             return error(400, str(e))
         except (ServerOverloaded, EngineDead) as e:
             return error(503, str(e), type_="server_overloaded" if isinstance(e, ServerOverloaded) else
                          "server_error")
-        job = _Job(cmpl_id, served_model_name, rids, params, body.return_token_ids)
+        job = _Job(cmpl_id, served_model_name, rids, params, body)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _AbortOnClose(job.sse(stream, usage), lambda: loop_.abort(rids))
+            continuous = bool(usage and body.stream_options.continuous_usage_stats)
+            return _AbortOnClose(job.sse(stream, usage, continuous), lambda: loop_.abort(rids))
         collect = asyncio.ensure_future(job.collect(stream))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
@@ -175,9 +195,27 @@ async def _client_gone(request: Request) -> None:
 class _Job:
     """One completions request in flight: its engine requests and how their outputs become choices."""
 
-    def __init__(self, cmpl_id, model, rids, params, return_token_ids):
-        self.id, self.model, self.params, self.ret_ids = cmpl_id, model, params, return_token_ids
+    def __init__(self, cmpl_id, model, rids, params, body: P.CompletionRequest):
+        self.id, self.model, self.params, self.ret_ids = cmpl_id, model, params, body.return_token_ids
         self.index = {rid: i for i, rid in enumerate(rids)}     # engine request id -> prompt index
+        self.echo, self.num_logprobs, self.score_only = body.echo, body.logprobs, body.max_tokens == 0
+        self.num_prompt_logprobs = body.prompt_logprobs           # may be fewer than echo's logprobs asked the engine
+
+    def _final_choice(self, rid, out, o) -> dict:
+        """One finished choice: its text (after the prompt, with echo), and its logprobs when asked."""
+        ids, entries = ([], []) if self.score_only else (list(o.token_ids), o.logprobs or [])
+        reason = "length" if self.score_only else o.finish_reason
+        if self.echo:
+            prompt = list(out.prompt_token_ids)
+            ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
+        lp = None if self.num_logprobs is None else P.completion_logprobs(ids, entries, self.num_logprobs)
+        c = P.choice(self._choice_index(rid, o), decode(ids), reason, ids if self.ret_ids else None, lp)
+        if self.num_prompt_logprobs is not None:   # vLLM's extension: {token id: {logprob, rank, decoded_token}}
+            n = self.num_prompt_logprobs
+            c["prompt_logprobs"] = [None if e is None else {str(t): vars(v) for t, v in e.items()
+                                                            if v.rank <= n or t == tok}
+                                    for e, tok in zip(out.prompt_logprobs, out.prompt_token_ids)]
+        return c
 
     def _choice_index(self, rid, output) -> int:
         return self.index[rid] * self.params.n + output.index
@@ -194,12 +232,11 @@ class _Job:
         for rid, out in sorted(final.items(), key=lambda kv: self.index[kv[0]]):
             prompt_tokens += len(out.prompt_token_ids)
             for o in out.outputs:
-                completion_tokens += len(o.token_ids)
-                choices.append(P.choice(self._choice_index(rid, o), o.text, o.finish_reason,
-                                        list(o.token_ids) if self.ret_ids else None))
+                completion_tokens += 0 if self.score_only else len(o.token_ids)
+                choices.append(self._final_choice(rid, out, o))
         return P.completion_body(self.id, self.model, choices, P.usage(prompt_tokens, completion_tokens))
 
-    async def sse(self, stream: RequestStream, include_usage: bool):
+    async def sse(self, stream: RequestStream, include_usage: bool, continuous: bool = False):
         deltas, done_choices, finished, prompt_tokens, completion_tokens = {}, set(), set(), 0, 0
         while len(finished) < len(self.index):
             out = await stream.queue.get()
@@ -212,14 +249,17 @@ class _Job:
                     continue
                 delta = deltas.setdefault(key, P.TextDelta(self.params.stop))
                 done = o.finish_reason is not None
+                start, offset = delta.sent, len(decode(o.token_ids[:delta.sent]))
                 text, ids = delta.update(o.token_ids, done)
                 if done:
                     done_choices.add(key)
                 if text or ids or done:
-                    c = P.choice(key, text, o.finish_reason, ids if self.ret_ids else None)
+                    lp = None if self.num_logprobs is None else P.completion_logprobs(
+                        ids, (o.logprobs or [])[start:start + len(ids)], self.num_logprobs, offset)
+                    c = P.choice(key, text, o.finish_reason, ids if self.ret_ids else None, lp)
                     body = P.completion_body(self.id, self.model, [c], None)
                     if include_usage:
-                        body["usage"] = None
+                        body["usage"] = P.usage(len(out.prompt_token_ids), len(o.token_ids)) if continuous else None
                     yield _event(body)
             if out.finished:
                 finished.add(out.request_id)

@@ -78,10 +78,12 @@ class EngineLoop:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
 
-    def add(self, stream: RequestStream, prompts: list, params) -> concurrent.futures.Future:
+    def add(self, stream: RequestStream, prompts: list, params, arrival_time=None) -> concurrent.futures.Future:
         """Queue the prompts of one HTTP request (all or none are admitted); the future resolves
-        to None once they are in the engine, or raises ValueError / TypeError / ServerOverloaded."""
-        return self._submit("add", stream, prompts, params)
+        to None once they are in the engine, or raises ValueError / TypeError / ServerOverloaded.
+        ``arrival_time`` (perf_counter seconds): when the HTTP request came in, as vLLM's API server stamps it,
+        so TTFT includes the wait for the engine thread (a client's load generator sees that wait too)."""
+        return self._submit("add", stream, prompts, params, arrival_time)
 
     def abort(self, request_ids: list) -> None:
         self._cmds.put(("abort", None, list(request_ids)))
@@ -152,14 +154,14 @@ class EngineLoop:
         except Exception as e:                                    # the handler turns it into a 4xx / 5xx
             fut.set_exception(e)
 
-    def _add(self, stream: RequestStream, prompts: list, params) -> None:
+    def _add(self, stream: RequestStream, prompts: list, params, arrival_time=None) -> None:
         if len(self._streams) + len(prompts) > self.max_pending_requests:
             raise ServerOverloaded(f"the server holds {len(self._streams)} unfinished requests, its bound is "
                                    f"{self.max_pending_requests} (--max-pending-requests): retry later")
         added = []
         try:
             for rid, prompt in zip(stream.request_ids, prompts):
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival_time)
                 added.append(rid)
         except Exception:
             for rid in added:                                     # all or none

@@ -6,12 +6,13 @@ with a request and keep serving. Unknown fields are refused (a typo such as
 ``"16"`` for 16), and sampling values are checked by ``SamplingParams`` itself,
 so the server and ``LLM.generate`` accept exactly the same requests.
 
-OpenAI fields that a byte-level toy model does not implement (``echo``,
-``logprobs``, ``best_of``, penalties, ``logit_bias``, ``suffix``) are accepted
-only at their defaults, so a stock client works and a request that relies on
-them gets a 400 instead of a quietly different answer. ``top_k`` and
-``return_token_ids`` are vLLM's extensions (pass them with ``extra_body`` from
-the ``openai`` client).
+``logprobs`` (the top N, N <= ``MAX_LOGPROBS``), ``echo`` (the prompt before the completion; with
+``logprobs``, scored: ``max_tokens: 0`` scores a prompt and generates nothing), ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``prompt_logprobs``, ``ignore_eos`` and ``return_token_ids`` are vLLM's extensions (pass them with
+``extra_body`` from the ``openai`` client). ``best_of`` and ``suffix`` are accepted only at their
+defaults, so a stock client works and a request that relies on them gets a 400 instead of a quietly
+different answer.
 """
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from minibatch.engine.sampler import SamplingParams
+from minibatch.model.tokenizer import decode
 
-_UNSUPPORTED_DEFAULTS = {"echo": False, "logprobs": None, "best_of": None, "suffix": None,
-                         "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+_UNSUPPORTED_DEFAULTS = {"best_of": None, "suffix": None}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # vLLM extension: usage so far in every chunk (guidellm asks for it)
 
 
 class CompletionRequest(BaseModel):
@@ -48,14 +50,19 @@ class CompletionRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None                  # accepted and ignored, as by OpenAI
     return_token_ids: bool = False              # vLLM extension: token ids in each choice
-    # OpenAI fields minibatch does not implement: accepted at their defaults only
-    echo: bool = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    echo: bool = False                          # the prompt before the completion (scored with logprobs)
+    logprobs: Optional[int] = None              # the top N per token, N <= MAX_LOGPROBS
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None   # {"token id": bias in [-100, 100]}
+    repetition_penalty: float = 1.0             # vLLM extensions (engine/logits_processors.py)
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None       # vLLM extension: each choice's "prompt_logprobs"
+    ignore_eos: bool = True                     # vLLM extension (load generators send it); a byte model has no EOS
+    # OpenAI fields minibatch does not implement: accepted at their defaults only
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self):
@@ -65,6 +72,10 @@ class CompletionRequest(BaseModel):
                 raise ValueError(f"`{name}` is not supported by minibatch (got {value!r}); leave it at {default!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed with `stream: true`")
+        if self.echo and self.stream:
+            raise ValueError("`echo` is supported without `stream` only")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("`max_tokens: 0` is allowed only with `echo: true` (to score a prompt)")
         return self
 
     def prompts(self) -> list:
@@ -77,8 +88,33 @@ class CompletionRequest(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError for bad values, with SamplingParams' own message."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        prompt_logprobs = self.prompt_logprobs         # max_tokens 0 (echo): one token runs, and is not returned
+        if self.echo and self.logprobs is not None:           # an echoed prompt is scored as well
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         return SamplingParams(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_tokens=max_tokens, seed=self.seed, stop=stop)
+                              max_tokens=max_tokens or 1, seed=self.seed, stop=stop, logprobs=self.logprobs,
+                              prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+                              stop_token_ids=list(self.stop_token_ids or []))
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)     # vLLM's other fields (add_special_tokens...)
+    prompt: str
+    model: Optional[str] = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    tokens: list[int]
+    model: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _bytes(self):
+        if not all(0 <= t < 256 for t in self.tokens):
+            raise ValueError("tokens must be byte values in [0, 256)")
+        return self
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
@@ -149,11 +185,34 @@ def completion_body(request_id: str, model: str, choices: list, usage: Optional[
     return body
 
 
-def choice(index: int, text: str, finish_reason: Optional[str], token_ids: Optional[list] = None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: Optional[str], token_ids: Optional[list] = None,
+           logprobs: Optional[dict] = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     return c
+
+
+def completion_logprobs(token_ids: list, entries: list, num: int, offset: int = 0) -> dict:
+    """OpenAI's completions ``logprobs`` object for ``token_ids``, whose engine entries are ``entries``
+    ([{token: Logprob}], None for an echoed prompt's first token): ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (the top ``num``, keyed by decoded text; the chosen token is among them) and
+    ``text_offset`` (characters into the choice's text, whose first ``offset`` characters came before)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, (t, e) in enumerate(zip(token_ids, entries)):
+        out["text_offset"].append(offset + len(decode(token_ids[:i])))
+        out["tokens"].append(decode([t]))
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(e[t].logprob)
+        top = {}
+        for tok, lp in sorted(e.items(), key=lambda kv: kv[1].rank):
+            if lp.rank <= num or tok == t:
+                top.setdefault(decode([tok]), lp.logprob)
+        out["top_logprobs"].append(top)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
