@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from minibatch.structured.params import structured_outputs_params
+
 
 @dataclass
 class SamplingParams:
@@ -28,10 +30,12 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list = field(default_factory=list)   # stop strings; the output is cut before the match
     ignore_eos: bool = True         # a byte model has no end-of-sequence token; kept for vLLM parity
+    structured_outputs: Optional[object] = None   # StructuredOutputsParams (or its fields as a dict): json, regex, ...
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured_outputs = structured_outputs_params(self.structured_outputs)   # compiled once, here
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
