@@ -198,7 +198,7 @@ def test_constrained_sampling_is_distributed_as_the_masked_target(target_model, 
 
 # -- ends, dead ends, refusals ----------------------------------------------------------------------------------
 def test_a_dead_end_finishes_the_request(target_model):
-    """An unpruned DFA lets the model into a state with no byte allowed: the request finishes "dead_end"."""
+    """A matcher left with no byte allowed short of accepting (an automaton cut after "c") finishes "dead_end"."""
     dfa = DFA("cd")
     s = dfa.next[0][ord("c")]
     dfa.next[s], dfa.masks[s] = [-1] * 256, False      # cut the automaton after "c": a state with no way on

@@ -17,8 +17,9 @@ One step, in the model runner, just before sampling (``apply_grammar_bitmask``):
   reproduces whatever distribution the target rows hold (Leviathan et al. 2023, Thm. 1), here the masked one.
 
 A row whose mask is empty (the grammar has ended there) is left whole: whatever is drawn there is dropped by
-``advance``, which stops at the end of the grammar with finish_reason "stop" (accepting) or "dead_end" (a
-state with no byte allowed that does not accept: a grammar whose masks were not pruned).
+``advance``, which stops at the end of the grammar with finish_reason "stop" (accepting) or "dead_end" (no byte
+allowed short of an accepting state: the libraries prune such states, so this is the guard that a matcher which
+gets there finishes its request instead of sampling from an empty mask for ever).
 """
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ emit byte b in state s exactly when s has a transition on b that can still reach
    byte-set edges and empty (epsilon) edges. A character is a *sequence* of bytes: ``.`` and ``[^...]`` match
    any Unicode scalar (but ``\\n``), so they expand into the UTF-8 byte automaton (RFC 3629 §4), as a byte
    tokenizer's model must see them.
-3. ``DFA``: the subset construction (Rabin & Scott 1959) over the 256 bytes, then *pruning*: a state from which
-   no accepting state can be reached is dead, and a byte leading there is not allowed. Without pruning a mask
-   lets the model walk into a dead end (no byte allowed, nothing accepted); ``DFA(regex, prune=False)`` shows it.
+3. ``DFA``: the subset construction (Rabin & Scott 1959) over the 256 bytes. Row s of the mask allows byte b
+   when state s has a transition on b. (A state from which no accepting state can be reached would be *dead*,
+   and a byte into it must not be allowed, or the model could walk into a dead end. Thompson's construction
+   from this syntax, which has no empty class, makes none; a library with intersection or negation does, and
+   prunes them: llguidance's ``&`` and ``~``.)
 
 ``DFA.masks`` is [num_states, 256] bool: row s is the mask in state s. ``TeachingMatcher`` walks it, keeping the
 states it visited so that it can roll back (speculation's rejected drafts). The library backend (backend.py)
@@ -218,14 +220,14 @@ class NFA:
 # -- 3. the DFA and its masks ---------------------------------------------------------------------------------
 
 class DFA:
-    """The subset construction over bytes, pruned of dead states. ``next[s][b]`` is the state after byte b in
+    """The subset construction over bytes. ``next[s][b]`` is the state after byte b in
     state s (-1: not allowed); ``masks[s]`` [256] bool; ``accepting[s]``; state 0 is the start."""
 
-    def __init__(self, regex: str, prune: bool = True):
+    def __init__(self, regex: str):
         nfa = NFA(parse(regex))
         start = nfa.closure([nfa.start])
         index, sets, nxt = {start: 0}, [start], []
-        while len(nxt) < len(sets):
+        while len(nxt) < len(sets):                 # breadth first over the state sets reached so far
             cur, row = sets[len(nxt)], [-1] * 256
             for b in range(256):
                 to = [t for s in cur for bs, t in nfa.edges[s] if bs >> b & 1]
@@ -236,27 +238,8 @@ class DFA:
                         sets.append(c)
                     row[b] = index[c]
             nxt.append(row)
-        self.accepting = [nfa.accept in s for s in sets]
-        live = self._live(nxt) if prune else set(range(len(sets)))
-        if 0 not in live:
-            raise ValueError(f"regex {regex!r} admits no string")
-        self.next = [[t if t in live else -1 for t in row] for row in nxt]
-        self.masks = torch.tensor([[t >= 0 for t in row] for row in self.next], dtype=torch.bool)
-
-    def _live(self, nxt) -> set:
-        """States from which an accepting state can be reached (a backwards search from the accepting ones)."""
-        back = [[] for _ in nxt]
-        for s, row in enumerate(nxt):
-            for t in set(row) - {-1}:
-                back[t].append(s)
-        live = {s for s, a in enumerate(self.accepting) if a}
-        todo = list(live)
-        while todo:
-            for s in back[todo.pop()]:
-                if s not in live:
-                    live.add(s)
-                    todo.append(s)
-        return live
+        self.next, self.accepting = nxt, [nfa.accept in s for s in sets]
+        self.masks = torch.tensor([[t >= 0 for t in row] for row in nxt], dtype=torch.bool)
 
     def matches(self, data: bytes) -> bool:
         s = 0
