@@ -11,15 +11,18 @@ OpenAI fields that a byte-level toy model does not implement (``echo``,
 only at their defaults, so a stock client works and a request that relies on
 them gets a 400 instead of a quietly different answer. ``top_k`` and
 ``return_token_ids`` are vLLM's extensions (pass them with ``extra_body`` from
-the ``openai`` client).
+the ``openai`` client). Structured outputs come as OpenAI's ``response_format``, or as vLLM's extra-body
+``structured_outputs`` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or its older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; a constraint that does not
+compile, or admits no string, is a 400 (``SamplingParams`` compiles it).
 """
 from __future__ import annotations
 
 import codecs
 import time
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minibatch.engine.sampler import SamplingParams
 
@@ -30,6 +33,25 @@ _UNSUPPORTED_DEFAULTS = {"echo": False, "logprobs": None, "best_of": None, "suff
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "schema"
+    description: Optional[str] = None
+    schema_: dict = Field(alias="schema")       # ("schema" would shadow pydantic's BaseModel.schema)
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+# vLLM's older extra-body names for structured outputs -> StructuredOutputsParams' fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class CompletionRequest(BaseModel):
@@ -48,6 +70,13 @@ class CompletionRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None                  # accepted and ignored, as by OpenAI
     return_token_ids: bool = False              # vLLM extension: token ids in each choice
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* names
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # OpenAI fields minibatch does not implement: accepted at their defaults only
     echo: bool = False
     logprobs: Optional[int] = None
@@ -65,7 +94,23 @@ class CompletionRequest(BaseModel):
                 raise ValueError(f"`{name}` is not supported by minibatch (got {value!r}); leave it at {default!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed with `stream: true`")
+        given = [n for n in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one structured-outputs field, not {given}")
+        rf = self.response_format
+        if rf is not None and (rf.type == "json_schema") != (rf.json_schema is not None):
+            raise ValueError("response_format: `json_schema` is required with type 'json_schema', and only then")
         return self
+
+    def structured_outputs_fields(self) -> Optional[dict]:
+        """The request's constraint as StructuredOutputsParams' fields (None: unconstrained)."""
+        rf = self.response_format
+        if rf is not None:
+            return None if rf.type == "text" else (
+                {"json_object": True} if rf.type == "json_object" else {"json": rf.json_schema.schema_})
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return next(({field: getattr(self, n)} for n, field in _GUIDED.items() if getattr(self, n) is not None), None)
 
     def prompts(self) -> list:
         """The prompts as a list: each a str or a list of token ids (bytes)."""
@@ -78,7 +123,8 @@ class CompletionRequest(BaseModel):
         """Raises ValueError for bad values, with SamplingParams' own message."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_tokens=max_tokens, seed=self.seed, stop=stop)
+                              max_tokens=max_tokens, seed=self.seed, stop=stop,
+                              structured_outputs=self.structured_outputs_fields())
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,

@@ -5,10 +5,10 @@ With a byte-level vocabulary (token i is byte i) the mask *is* the automaton's t
 emit byte b in state s exactly when s has a transition on b that can still reach an accepting state. Three steps:
 
 1. ``parse``: the regex -> a small syntax tree (literals, classes, ``.``, groups, ``|``, ``* + ? {m,n}``).
-2. ``nfa``: Thompson's construction (Thompson 1968): each tree node becomes a fragment of states joined by
-   byte-set edges and empty (epsilon) edges. A character is a *sequence* of bytes: ``.`` and ``[^...]`` match
-   any Unicode scalar (but ``\\n``), so they expand into the UTF-8 byte automaton (RFC 3629 §4), as a byte
-   tokenizer's model must see them.
+2. ``NFA``: Thompson's construction (Thompson 1968): each tree node becomes a fragment of states joined by
+   byte-set edges and empty (epsilon) edges. A character is a *sequence* of bytes: ``.`` (any Unicode scalar
+   but ``\\n``) and ``[^...]`` (any but those listed) match non-ASCII characters too, so they expand into the
+   UTF-8 byte automaton (RFC 3629 §4), as a byte tokenizer's model must see them.
 3. ``DFA``: the subset construction (Rabin & Scott 1959) over the 256 bytes. Row s of the mask allows byte b
    when state s has a transition on b. (A state from which no accepting state can be reached would be *dead*,
    and a byte into it must not be allowed, or the model could walk into a dead end. Thompson's construction
