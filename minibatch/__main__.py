@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, as vLLM takes it, e.g. \'{"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, '
                         '"depth": 5, "topk": 4}\'')
-    d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree")
-    d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), "
-                                    "or a saved trace (.json) to replay")
+    d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured")
+    d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), structured "
+                                    "(structured outputs' masks), or a saved trace (.json) to replay")
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
