@@ -49,7 +49,7 @@ def record(model, small: bool = False) -> list:
     return steps
 
 
-def _bytes_label(allowed) -> str:
+def byte_class(allowed) -> str:
     """[256] bools -> a compact class, e.g. [0-9.] (or 'any byte' for an unconstrained row)."""
     if allowed is None:
         return "any byte"
@@ -69,7 +69,7 @@ def lines(steps: list) -> list:
     out = []
     for st in steps:
         for row in st["rows"]:
-            out.append(f"step {st['step']:2d}  {row['seq_id']:<6} {_bytes_label(row['allowed']):<40} drew "
+            out.append(f"step {st['step']:2d}  {row['seq_id']:<6} {byte_class(row['allowed']):<40} drew "
                        f"{bytes([row['token']])!r:<7} after {row['text']!r}")
     return out
 
