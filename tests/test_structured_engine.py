@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.model.reference import generate
+from minibatch.model.reference import generate, next_logits
 from minibatch.model.tokenizer import encode
 from minibatch.model.weights import WEIGHTS_DIR
 from minibatch.structured import StructuredOutputsParams
 from minibatch.structured.reference import constrained_generate
 from minibatch.structured.teaching import DFA, TeachingMatcher
-from minibatch.trace import TraceRecorder
+from test_engine import run as run_engine
 from test_spec_methods import chi_square
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,14 +54,9 @@ def oracle(target_model):
 
 
 def run(model, params, prompts, draft=None, **cfg):
-    llm = LLM(model, draft_model=draft, **cfg)
-    rec = TraceRecorder()
-    llm.llm_engine.add_hook(rec)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    a = llm.llm_engine.allocator
-    a.check_invariants()
-    assert a.num_free_blocks == a.num_blocks, "blocks leaked"
-    return outs, rec.traces
+    """(outputs, traces), every block returned at the end (test_engine's run, with an optional draft model)."""
+    outs, traces, _ = run_engine(model, prompts, params, draft_model=draft, **cfg)
+    return outs, traces
 
 
 CONFIGS = {
@@ -154,25 +149,18 @@ def test_sampled_outputs_always_match(target_model, draft_model, spec):
 PROMPT, TRIPLE = encode("def f(x):\n    return x"), r"[ +\-*/][0-9a-z][ )]"
 
 
+@torch.no_grad()
 def exact_strings(target, dfa, prefix=(), state=0, p=1.0):
     """{output: probability} exactly, for every string the (finite) regex allows: the product of the target's
     masked softmax at each step, walking the DFA."""
     allowed = dfa.masks[state]
     if not allowed.any():
         return {prefix: p}
-    probs = forward_last(target, PROMPT + list(prefix)).masked_fill(~allowed, float("-inf")).softmax(-1)
+    probs = next_logits(target, PROMPT + list(prefix)).float().masked_fill(~allowed, float("-inf")).softmax(-1)
     out = {}
     for b in allowed.nonzero().flatten().tolist():
         out.update(exact_strings(target, dfa, prefix + (b,), dfa.next[state][b], p * float(probs[b])))
     return out
-
-
-@torch.no_grad()
-def forward_last(model, ids):
-    from minibatch.model.model import DenseAttention
-    x = torch.tensor(ids)
-    return model(x, torch.arange(len(ids)), DenseAttention([len(ids)]),
-                 logits_indices=torch.tensor([len(ids) - 1]))[0].float()
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from minibatch.engine.sampler import SamplingParams, make_generator
-from minibatch.model.model import GPT, DenseAttention
-from minibatch.model.reference import _finish, _next_token, check_request
+from minibatch.model.model import GPT
+from minibatch.model.reference import _finish, _next_token, check_request, next_logits
 from minibatch.structured.matcher import advance
 
 
@@ -19,9 +19,7 @@ def constrained_generate(model: GPT, prompt_ids: list, params: SamplingParams, m
     gen = make_generator(params.seed)
     ids, out = list(prompt_ids), []
     while len(out) < params.max_tokens:
-        x = torch.tensor(ids, device=model.device)
-        logits = model(x, torch.arange(len(ids), device=model.device), DenseAttention([len(ids)]),
-                       logits_indices=torch.tensor([len(ids) - 1], device=model.device))[0].float()
+        logits = next_logits(model, ids).float()
         logits = logits.masked_fill(~matcher.allowed().to(logits.device), float("-inf"))
         tok = _next_token(logits, params, gen)
         kept, ended = advance(matcher, [tok])
