@@ -61,6 +61,7 @@ def run(model, params, prompts, draft=None, **cfg):
 
 CONFIGS = {
     "continuous batching": {},
+    "static batching": dict(scheduling="static", max_num_seqs=4),
     "chunked prefill": dict(max_num_batched_tokens=16, block_size=8),
     "preemption": dict(block_size=8, num_gpu_blocks=14, max_num_seqs=9),
     "draft k=3": dict(speculative_config={"method": "draft", "num_speculative_tokens": 3}),
