@@ -7,6 +7,8 @@
     python -m minibatch demo speculative           draft proposals accepted and rejected
     python -m minibatch demo tree                  token trees (EAGLE-2): many guesses verified in one
                                                    forward, the longest accepted path kept
+    python -m minibatch demo structured            structured outputs: each row's 256-byte mask beside
+                                                   the batch (out/demo/structured.png)
     python -m minibatch demo run.json              replay a saved trace (no model needed)
 
 Each scenario runs the shipped model through the real engine, records every step
@@ -34,7 +36,7 @@ from minibatch.engine.engine import LLMEngine
 from minibatch.engine.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
-SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "disaggregated")
+SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "structured", "disaggregated")
 OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
 SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
 TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5, "topk": 4}
@@ -276,6 +278,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
         if scenario == "disaggregated":                 # two instances: a renderer of its own
             from minibatch.bench.demo_disagg import record
             return _disaggregated(record(model, small), path, text_only, small)
+        if scenario == "structured":                   # a still of its own: the masks beside the batch
+            from minibatch.structured.demo import run_structured_demo
+            return run_structured_demo(model, path, text_only, small)
         if scenario in ("continuous", "static"):
             runs = scenario_batching(model, small)
             if scenario == "static":

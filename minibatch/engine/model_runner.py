@@ -39,6 +39,7 @@ from minibatch.engine.sampler import Sampler, batched_probabilities, probabiliti
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode import tree
 from minibatch.spec_decode.rejection_sampler import rejection_sample
+from minibatch.structured.matcher import apply_grammar_bitmask
 
 # The greedy shortcut in _sample is only known equal to this sampler. (Held in a tuple: exercises.patch_engine
 # rebinds every module attribute that *is* the reference, and this one must keep pointing at it.)
@@ -90,6 +91,7 @@ class ModelRunner:
         result = self._forward(input_ids, attn, logits_idx, start, batch, qsl)
         logits, hidden = result if self.hidden_states else (result, {})
         logits = apply_logits_processors(logits.float(), out.scheduled, rows)    # the requests' controls
+        logits = apply_grammar_bitmask(logits.float(), out.scheduled, rows)      # structured outputs: -inf off-grammar
         sampled, accepted, forked, paths = self._sample(out.scheduled, logits, rows)
         qsl = qsl[: len(out.scheduled) + 1]                                      # without the padding rows
         if any(paths):

@@ -28,6 +28,7 @@ import torch
 from minibatch.model.tokenizer import VOCAB_SIZE as VOCAB
 
 MAX_LOGPROBS = 20        # vLLM's default max_logprobs: the most top alternatives a request may ask for
+from minibatch.structured.params import structured_outputs_params
 
 
 @dataclass
@@ -49,10 +50,12 @@ class SamplingParams:
     logit_bias: Optional[dict] = None       # {token id: bias in [-100, 100]} added to the logits
     min_tokens: int = 0                     # stop_token_ids are masked until this many tokens are out
     stop_token_ids: list = field(default_factory=list)   # finish ("stop") once one is generated, kept in the output
+    structured_outputs: Optional[object] = None   # StructuredOutputsParams (or its fields as a dict): json, regex, ...
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured_outputs = structured_outputs_params(self.structured_outputs)   # compiled once, here
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),

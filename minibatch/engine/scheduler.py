@@ -43,6 +43,7 @@ from minibatch.engine.sampler import find_stop
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
 from minibatch.spec_decode.tree import judged_depths
+from minibatch.structured.matcher import advance
 
 ORDERS = ("decode-first", "prefill-first")
 
@@ -232,12 +233,18 @@ class SchedulerBase:
 
     def _append(self, seq: Sequence, toks: list) -> list:
         """Append sampled tokens (up to max_tokens), cache the computed blocks, apply stop strings."""
-        seq.token_ids += toks[: seq.params.max_tokens - seq.num_output_tokens]
+        toks, ended = toks[: seq.params.max_tokens - seq.num_output_tokens], None
+        if seq.grammar is not None:                   # structured outputs: the grammar follows, or ends here
+            toks, ended = advance(seq.grammar, toks)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(toks))
+        seq.token_ids += toks
         self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
         cut = find_stop(seq.output_token_ids, seq.params.stop, seq.params.stop_token_ids)
         if cut is not None:
             del seq.token_ids[seq.num_prompt_tokens + cut:]
             self.finish(seq, "stop")
+        elif ended is not None:
+            self.finish(seq, ended)
         elif seq.num_output_tokens >= seq.params.max_tokens:
             self.finish(seq, "length")
         return [seq] if seq.is_finished else []

@@ -80,7 +80,12 @@ class Sequence:
     spec_parents: Optional[list] = None                       # a token tree: parents of [root] + drafts
                                                               # (spec_decode/tree.py); None = a chain
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this sequence's verify steps
-    finish_reason: Optional[str] = None      # "length", "stop", "abort"
+    finish_reason: Optional[str] = None      # "length", "stop", "abort" ("dead_end": structured/matcher.py)
+    grammar: Optional[object] = None         # structured outputs: the matcher after this sequence's output tokens
+
+    def __post_init__(self):
+        if self.grammar is None and self.params.structured_outputs is not None:
+            self.grammar = self.params.structured_outputs.new_matcher()
 
     def clear_spec(self) -> None:
         """Forget the drafts (verified, rejected, or no longer wanted)."""

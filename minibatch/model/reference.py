@@ -42,6 +42,13 @@ def _finish(out: list[int], params: SamplingParams):
     return (out[:cut], "stop") if cut is not None else None
 
 
+def next_logits(model: GPT, ids: list[int]) -> torch.Tensor:
+    """The logits [V] after ``ids``, from a full forward with dense attention (no cache)."""
+    x = torch.tensor(ids, device=model.device)
+    return model(x, torch.arange(len(ids), device=model.device), DenseAttention([len(ids)]),
+                 logits_indices=torch.tensor([len(ids) - 1], device=model.device))[0]
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
     """No cache: recompute the full sequence for every token. Returns (output ids, finish reason)."""
@@ -49,10 +56,7 @@ def generate(model: GPT, prompt_ids: list[int], params: SamplingParams) -> tuple
     gen = make_generator(params.seed)
     ids, out = list(prompt_ids), []
     while len(out) < params.max_tokens:
-        x = torch.tensor(ids, device=model.device)
-        logits = model(x, torch.arange(len(ids), device=model.device), DenseAttention([len(ids)]),
-                       logits_indices=torch.tensor([len(ids) - 1], device=model.device))[0]
-        tok = _next_token(logits, params, gen)
+        tok = _next_token(next_logits(model, ids), params, gen)
         ids.append(tok)
         out.append(tok)
         if (done := _finish(out, params)) is not None:

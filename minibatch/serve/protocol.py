@@ -13,14 +13,18 @@ so the server and ``LLM.generate`` accept exactly the same requests.
 ``extra_body`` from the ``openai`` client). ``best_of`` and ``suffix`` are accepted only at their
 defaults, so a stock client works and a request that relies on them gets a 400 instead of a quietly
 different answer.
+Structured outputs come as OpenAI's ``response_format``, or as vLLM's extra-body
+``structured_outputs`` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or its older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; a constraint that does not
+compile, or admits no string, is a 400 (``SamplingParams`` compiles it).
 """
 from __future__ import annotations
 
 import codecs
 import time
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minibatch.engine.sampler import SamplingParams
 from minibatch.model.tokenizer import decode
@@ -32,6 +36,25 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False        # vLLM extension: usage so far in every chunk (guidellm asks for it)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "schema"
+    description: Optional[str] = None
+    schema_: dict = Field(alias="schema")       # ("schema" would shadow pydantic's BaseModel.schema)
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+# vLLM's older extra-body names for structured outputs -> StructuredOutputsParams' fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class CompletionRequest(BaseModel):
@@ -52,6 +75,13 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool = False              # vLLM extension: token ids in each choice
     echo: bool = False                          # the prompt before the completion (scored with logprobs)
     logprobs: Optional[int] = None              # the top N per token, N <= MAX_LOGPROBS
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* names
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None   # {"token id": bias in [-100, 100]}
@@ -76,7 +106,23 @@ class CompletionRequest(BaseModel):
             raise ValueError("`echo` is supported without `stream` only")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("`max_tokens: 0` is allowed only with `echo: true` (to score a prompt)")
+        given = [n for n in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one structured-outputs field, not {given}")
+        rf = self.response_format
+        if rf is not None and (rf.type == "json_schema") != (rf.json_schema is not None):
+            raise ValueError("response_format: `json_schema` is required with type 'json_schema', and only then")
         return self
+
+    def structured_outputs_fields(self) -> Optional[dict]:
+        """The request's constraint as StructuredOutputsParams' fields (None: unconstrained)."""
+        rf = self.response_format
+        if rf is not None:
+            return None if rf.type == "text" else (
+                {"json_object": True} if rf.type == "json_object" else {"json": rf.json_schema.schema_})
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return next(({field: getattr(self, n)} for n, field in _GUIDED.items() if getattr(self, n) is not None), None)
 
     def prompts(self) -> list:
         """The prompts as a list: each a str or a list of token ids (bytes)."""
@@ -96,7 +142,8 @@ class CompletionRequest(BaseModel):
                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias, min_tokens=self.min_tokens,
-                              stop_token_ids=list(self.stop_token_ids or []))
+                              stop_token_ids=list(self.stop_token_ids or []),
+                              structured_outputs=self.structured_outputs_fields())
 
 
 class TokenizeRequest(BaseModel):
