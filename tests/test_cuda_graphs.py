@@ -57,6 +57,31 @@ def test_replay_without_capture_equals_the_plain_path_on_triton(target_model):
     assert graph == plain and calls and max(calls) == 3
 
 
+def test_the_graph_path_applies_controls_grammars_and_logprobs(target_model):
+    """A replayed decode step goes through the same processing as an eager one: the requests' sampling controls,
+    a grammar's mask, and the logprobs they ask for (the graph path once skipped them, silently)."""
+    from minibatch.structured.params import StructuredOutputsParams
+    prompts, _ = workload(4, seeded=False)
+    params = [SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.8, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=8, logit_bias={32: -100.0, 10: -100.0}),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-f]{8}")),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=8, presence_penalty=1.5, logprobs=1)]
+
+    def run(**cfg):
+        llm = LLM(target_model, **cfg)
+        runner, calls = llm.llm_engine.model_runner.graphs, []
+        if runner is not None:
+            run_ = runner.run
+            runner.run = lambda *a: calls.append(len(a[0])) or run_(*a)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.token_ids, [{t: round(l.logprob, 4) for t, l in d.items()} for d in o.logprobs or []])
+                for o in outs], calls
+    plain, _ = run()
+    graph, calls = run(cuda_graph_mode="eager-replay")
+    assert calls and graph == plain
+    assert all(c in b"abcdef" for c in plain[2][0]) and 32 not in plain[1][0] and plain[0][1]
+
+
 def test_sizes_are_nano_vllms():
     assert capture_sizes(1) == [1] and capture_sizes(3) == [1, 2]
     assert capture_sizes(17) == [1, 2, 4, 8, 16] and capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]

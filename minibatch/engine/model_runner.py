@@ -90,8 +90,7 @@ class ModelRunner:
             start = self.proposer.verify_start(out.scheduled, attn.metadata.slot_mapping, qsl)
         result = self._forward(input_ids, attn, logits_idx, start, batch, qsl)
         logits, hidden = result if self.hidden_states else (result, {})
-        logits = apply_logits_processors(logits.float(), out.scheduled, rows)    # the requests' controls
-        logits = apply_grammar_bitmask(logits.float(), out.scheduled, rows)      # structured outputs: -inf off-grammar
+        logits = self._process(logits, out.scheduled, rows)
         sampled, accepted, forked, paths = self._sample(out.scheduled, logits, rows)
         qsl = qsl[: len(out.scheduled) + 1]                                      # without the padding rows
         if any(paths):
@@ -99,6 +98,13 @@ class ModelRunner:
         result = ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
         self._logprobs(result, out.scheduled, logits)
         return result
+
+    @staticmethod
+    def _process(logits, scheduled, rows):
+        """What every sampled row goes through before the sampler, the greedy argmax and the rejection sampler,
+        eager or replayed: the requests' sampling controls, then the grammar's mask (-inf off-grammar)."""
+        logits = apply_logits_processors(logits.float(), scheduled, rows)
+        return apply_grammar_bitmask(logits, scheduled, rows)
 
     def _logprobs(self, result, scheduled, logits) -> None:
         """The logprobs requests ask for (engine/logprobs.py): their sampled tokens' from the processed
@@ -124,7 +130,7 @@ class ModelRunner:
         logits = self.graphs.run([s.input_token_ids[0] for s in scheduled], [s.block_table for s in scheduled],
                                  computed)
         rows = [[b] if s.samples else [] for b, s in enumerate(scheduled)]
-        logits = apply_logits_processors(logits.float(), scheduled, rows)        # the requests' controls
+        logits = self._process(logits, scheduled, rows)
         sampled, accepted, forked, paths = self._sample(scheduled, logits, rows)
         result = ModelRunnerOutput(sampled, accepted, forked, {}, rows, list(range(len(scheduled) + 1)), paths)
         self._logprobs(result, scheduled, logits)
