@@ -6,11 +6,7 @@
 Why: a teaching engine's tokens/s mean little alone. A widely used implementation running the *same*
 weights on the *same* prompts, on the same CPU thread, says whether the engine is slow (issue 10, item 5).
 
-The conversion (``to_hf``) is exact because the shipped GPT is GPT-2 (``minibatch/model/model.py``):
-wte, wpe, per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, then ln_f and a head tied
-to wte. transformers' GPT-2 stores those projections as ``Conv1D`` (y = x W + b, W [in, out]) where
-``nn.Linear`` stores W [out, in], so their weights transpose. tanh-GELU is HF's ``"gelu_new"``; the
-LayerNorm eps is copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0.
+The conversion (``to_hf``) is ``minibatch/export.py``'s, its one owner.
 
 Rows, each timed alternately (minibatch, HF, minibatch, HF, ...) so a slow spell of the shared machine
 hits both sides, best of ``--repeats`` (noise only slows; timeit's rule), printed with the min-max spread:
@@ -44,47 +40,13 @@ import torch.nn.functional as F
 from minibatch import LLM, SamplingParams
 from minibatch.bench.metrics import critical_path_bound, slot_bound
 from minibatch.bench.workload import describe, make_workload
+from minibatch.export import PAD, to_hf
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import encode
 from minibatch.model.weights import load_model
 
 HF_REQUIREMENT = "transformers==5.25.0"        # tested with torch 2.13.0 (CPU); it does not pull another torch
-PAD = 0                                       # byte 0 (NUL) never occurs in code; masked out anyway
 LOGITS_TOL = 1e-4
-
-
-def to_hf(model: GPT, n_positions: int | None = None):
-    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0).
-
-    n_positions > n_ctx appends zero position embeddings, for padded static batches only: a member that
-    finished keeps computing thrown-away tokens until the batch's longest is done, and may run past the
-    n_ctx learned positions; its useful tokens never do (prompt + max_tokens <= n_ctx).
-    """
-    from transformers import GPT2Config, GPT2LMHeadModel
-    if not isinstance(model, GPT):
-        raise TypeError(f"to_hf needs a minibatch GPT, got {type(model).__name__}")
-    c = model.config
-    n_positions = c.n_ctx if n_positions is None else n_positions
-    if n_positions < c.n_ctx:
-        raise ValueError(f"n_positions must be >= the model's context {c.n_ctx}, got {n_positions}")
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
-                     n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=model.h[0].ln_1.eps,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                     bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
-    hf = GPT2LMHeadModel(cfg)
-    state = {}
-    for name, t in model.state_dict().items():
-        if name.endswith(".weight") and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc"):
-            t = t.t()                                  # nn.Linear [out, in] -> Conv1D [in, out]
-        if name == "wpe.weight":                       # [n_ctx, C] -> [n_positions, C]
-            t = torch.cat([t, t.new_zeros(n_positions - c.n_ctx, c.n_embd)])
-        state[f"transformer.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"conversion mismatch: missing {missing}, unexpected {unexpected}")
-    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
-        raise RuntimeError("the converted LM head is not tied to wte")
-    return hf.eval().requires_grad_(False)
 
 
 @torch.no_grad()

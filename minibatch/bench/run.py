@@ -126,6 +126,11 @@ def main(argv=None):
     import importlib
     import sys
     argv = sys.argv[1:] if argv is None else list(argv)
+    from minibatch.engine import threads       # --threads N, anywhere on the line, for every bench
+    pre = argparse.ArgumentParser(add_help=False)
+    threads.add_argument(pre)
+    known, argv = pre.parse_known_args(argv)
+    threads.use_cli(known.threads)
     if argv and argv[0] in OTHERS:
         importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
         return 0

@@ -9,6 +9,7 @@ from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
 from minibatch.spec_decode.proposer import check_speculative_config
+from minibatch.engine.threads import check_num_threads
 
 SCHEDULINGS = ("continuous", "static")
 
@@ -31,6 +32,7 @@ class EngineConfig:
     order: str = "decode-first"                # or "prefill-first"
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
+    num_threads: Optional[int] = None          # CPU threads; None: from the model's size (engine/threads.py)
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -50,6 +52,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)
+        check_num_threads(self.num_threads)
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="most unfinished requests (running + waiting); past it new ones get 503")
     p.add_argument("--log-level", default="info")
+    from minibatch.engine import threads
+    threads.add_argument(p)
 
 
 def make_llm(args):
