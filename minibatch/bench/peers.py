@@ -162,9 +162,10 @@ def _spread(xs, fmt="{:.0f}") -> str:
     return f"{fmt.format(max(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def format_rows(rows: dict, base: str = "plain") -> str:
+def format_rows(rows: dict, base: str = "plain", peer: str = "HF") -> str:
     """One line per row: both sides' best tokens/s (min-max), the ratio of bests (per-round range), equality."""
-    table = [("row", "HF peer", "minibatch tok/s", "HF tok/s", "mb/HF", "same", "own speed-up mb / HF")]
+    table = [("row", f"{peer} peer", "minibatch tok/s", f"{peer} tok/s", f"mb/{peer}", "same",
+              f"own speed-up mb / {peer}")]
     for name, (peer, r) in rows.items():
         own = ""
         if name.startswith(("draft", "ngram")) and base in rows:
