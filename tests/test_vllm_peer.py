@@ -84,6 +84,7 @@ def minibatch_tokens(target_model):
     return {"plain": run(), "ngram": run(speculative_config=NGRAM)}
 
 
+@pytest.mark.slow                                                  # vLLM starts once: ~1-2 min on 2 busy cores
 @pytest.mark.parametrize("case", ["plain", "ngram"])
 def test_vllm_gives_minibatchs_greedy_tokens(peer, minibatch_tokens, case):
     from minibatch.model.tokenizer import encode
