@@ -226,8 +226,9 @@ def time_rows(args, target, hf_target, hf_draft, wl, short) -> dict:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minibatch.bench peers", description=__doc__.splitlines()[0])
+def parse_args(prog: str, description: str, argv, ks=(4, 8)) -> argparse.Namespace:
+    """The options of a peers bench (HF here, vLLM in vllm_peer.py), checked once."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--num-requests", type=int, default=32, help="continuous/static: long-tail requests")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="slots, both sides")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step, both sides")
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-prompts", type=int, default=4, help="batch-1 rows: prompts, one after another")
     ap.add_argument("--max-tokens", type=int, default=128, help="batch-1 rows: tokens per prompt")
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8],
+    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(ks),
                     help="proposal lengths for the draft and n-gram rows")
     ap.add_argument("--repeats", type=int, default=3, help="alternating timed runs per row, best kept")
     args = ap.parse_args(argv)
@@ -244,6 +245,11 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(k < 1 for k in args.ks):
         ap.error(f"--ks must be integers >= 1, got {args.ks}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args("python -m minibatch.bench peers", __doc__.splitlines()[0], argv)
     try:
         import transformers
     except ImportError:

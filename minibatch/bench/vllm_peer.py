@@ -38,7 +38,6 @@ busy with other jobs): see the README's "vLLM as the peer" section.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -51,7 +50,7 @@ import threading
 import torch
 
 from minibatch.bench import vllm_venv
-from minibatch.bench.peers import format_rows, mb_side, race
+from minibatch.bench.peers import format_rows, mb_side, parse_args, race
 from minibatch.bench.workload import describe, make_workload
 from minibatch.export import export_hf
 from minibatch.model.tokenizer import encode
@@ -176,23 +175,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["setup"]:
         return vllm_venv.setup()
-    ap = argparse.ArgumentParser(prog="python -m minibatch.bench vllm", description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=32, help="continuous row: long-tail requests")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="continuous row: slots, both sides")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step, both sides")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-prompts", type=int, default=4, help="batch-1 rows: prompts")
-    ap.add_argument("--max-tokens", type=int, default=128, help="batch-1 rows: tokens per prompt")
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[4],
-                    help="proposal lengths for the n-gram and draft rows")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating timed runs per row, best kept")
-    args = ap.parse_args(argv)
-    for name in ("num_requests", "max_num_seqs", "num_prompts", "max_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(k < 1 for k in args.ks):
-        ap.error(f"--ks must be integers >= 1, got {args.ks}")
+    args = parse_args("python -m minibatch.bench vllm", __doc__.splitlines()[0], argv, ks=(4,))
     why = vllm_venv.problem()
     if why:
         print(f"bench vllm needs vLLM's CPU build in a venv of its own: {why}", file=sys.stderr)
