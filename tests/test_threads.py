@@ -79,7 +79,7 @@ def test_the_server_engine_gets_it():
     assert torch.get_num_threads() == 1
 
 
-@pytest.mark.parametrize("which", ["batching", "speculative", "peers", "trees", "online", "kv", "attention",
+@pytest.mark.parametrize("which", ["batching", "speculative", "peers", "vllm", "trees", "online", "kv", "attention",
                                    "serve"])
 def test_every_bench_sets_it_from_its_command_line(which):
     with pytest.raises(SystemExit):                           # a bad option: each bench stops at its parser
