@@ -92,11 +92,15 @@ def main(argv=None) -> int:
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")
     d.add_argument("--simulate", default=None, metavar="HW:MODEL",
                    help="also print each run re-timed on a simulated GPU and model, e.g. h100:llama-3-8b")
+    from minibatch.engine import threads
+    threads.add_argument(g)
+    threads.add_argument(d)
     s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) with a live view at /")
     from minibatch.serve.server import add_arguments    # argparse only; the server loads on use
     add_arguments(s)
     args = ap.parse_args(argv)
     try:
+        threads.use_cli(args.threads)            # serve's --threads comes from add_arguments
         if args.cmd == "generate":
             return _generate(args)
         if args.cmd == "serve":

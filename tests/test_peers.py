@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
+from minibatch import export
 from minibatch.bench import peers
 from minibatch.model.tokenizer import encode
 
@@ -20,7 +21,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n  
 @pytest.fixture(scope="module")
 def hf_pair(target_model, draft_model):
     pytest.importorskip("transformers", reason=f"optional peer not installed: pip install {peers.HF_REQUIREMENT}")
-    return {"target": (target_model, peers.to_hf(target_model)), "draft": (draft_model, peers.to_hf(draft_model))}
+    return {"target": (target_model, export.to_hf(target_model)), "draft": (draft_model, export.to_hf(draft_model))}
 
 
 def test_without_transformers_the_bench_says_how_to_install_and_fails(monkeypatch, capsys):
@@ -46,7 +47,7 @@ def test_to_hf_is_gpt2_with_our_shapes_and_a_tied_head(hf_pair):
     # Conv1D holds W [in, out]: the transpose of nn.Linear's [out, in]
     assert torch.equal(hf.transformer.h[0].attn.c_attn.weight, model.h[0].attn.c_attn.weight.t())
     with pytest.raises(TypeError):
-        peers.to_hf(hf)
+        export.to_hf(hf)
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])
@@ -71,19 +72,19 @@ def test_greedy_outputs_equal_token_for_token(hf_pair, name):
         x = torch.tensor([encode(prompt)])
         with torch.no_grad():
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
-                            pad_token_id=peers.PAD)
+                            pad_token_id=export.PAD)
         assert out.outputs[0].token_ids == y[0, x.shape[1]:].tolist()
 
 
 def test_padding_past_the_context_gets_zero_positions_and_keeps_useful_tokens_exact(hf_pair):
     model, _ = hf_pair["target"]
-    long = peers.to_hf(model, n_positions=600)
+    long = export.to_hf(model, n_positions=600)
     assert long.config.n_positions == 600 and not long.transformer.wpe.weight[512:].any()
     tokens = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (peers.minibatch_logits(model, tokens) - long(tokens).logits).abs().max() <= peers.LOGITS_TOL
     with pytest.raises(ValueError):
-        peers.to_hf(model, n_positions=100)
+        export.to_hf(model, n_positions=100)
     # one padded batch: a 300-byte prompt wanting 2 tokens waits for a short one wanting 250 (300 + 250 > 512)
     prompts, lens = ["x = 1\n" * 50, "def f():\n"], [2, 250]
     outs, _ = peers.hf_padded(model, prompts, lens, slots=2)()

@@ -6,11 +6,7 @@
 Why: a teaching engine's tokens/s mean little alone. A widely used implementation running the *same*
 weights on the *same* prompts, on the same CPU thread, says whether the engine is slow (issue 10, item 5).
 
-The conversion (``to_hf``) is exact because the shipped GPT is GPT-2 (``minibatch/model/model.py``):
-wte, wpe, per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, then ln_f and a head tied
-to wte. transformers' GPT-2 stores those projections as ``Conv1D`` (y = x W + b, W [in, out]) where
-``nn.Linear`` stores W [out, in], so their weights transpose. tanh-GELU is HF's ``"gelu_new"``; the
-LayerNorm eps is copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0.
+The conversion (``to_hf``) is ``minibatch/export.py``'s, its one owner.
 
 Rows, each timed alternately (minibatch, HF, minibatch, HF, ...) so a slow spell of the shared machine
 hits both sides, best of ``--repeats`` (noise only slows; timeit's rule), printed with the min-max spread:
@@ -44,47 +40,13 @@ import torch.nn.functional as F
 from minibatch import LLM, SamplingParams
 from minibatch.bench.metrics import critical_path_bound, slot_bound
 from minibatch.bench.workload import describe, make_workload
+from minibatch.export import PAD, to_hf
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import encode
 from minibatch.model.weights import load_model
 
 HF_REQUIREMENT = "transformers==5.25.0"        # tested with torch 2.13.0 (CPU); it does not pull another torch
-PAD = 0                                       # byte 0 (NUL) never occurs in code; masked out anyway
 LOGITS_TOL = 1e-4
-
-
-def to_hf(model: GPT, n_positions: int | None = None):
-    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0).
-
-    n_positions > n_ctx appends zero position embeddings, for padded static batches only: a member that
-    finished keeps computing thrown-away tokens until the batch's longest is done, and may run past the
-    n_ctx learned positions; its useful tokens never do (prompt + max_tokens <= n_ctx).
-    """
-    from transformers import GPT2Config, GPT2LMHeadModel
-    if not isinstance(model, GPT):
-        raise TypeError(f"to_hf needs a minibatch GPT, got {type(model).__name__}")
-    c = model.config
-    n_positions = c.n_ctx if n_positions is None else n_positions
-    if n_positions < c.n_ctx:
-        raise ValueError(f"n_positions must be >= the model's context {c.n_ctx}, got {n_positions}")
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
-                     n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=model.h[0].ln_1.eps,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                     bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
-    hf = GPT2LMHeadModel(cfg)
-    state = {}
-    for name, t in model.state_dict().items():
-        if name.endswith(".weight") and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc"):
-            t = t.t()                                  # nn.Linear [out, in] -> Conv1D [in, out]
-        if name == "wpe.weight":                       # [n_ctx, C] -> [n_positions, C]
-            t = torch.cat([t, t.new_zeros(n_positions - c.n_ctx, c.n_embd)])
-        state[f"transformer.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"conversion mismatch: missing {missing}, unexpected {unexpected}")
-    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
-        raise RuntimeError("the converted LM head is not tied to wte")
-    return hf.eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -200,9 +162,10 @@ def _spread(xs, fmt="{:.0f}") -> str:
     return f"{fmt.format(max(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def format_rows(rows: dict, base: str = "plain") -> str:
+def format_rows(rows: dict, base: str = "plain", peer: str = "HF") -> str:
     """One line per row: both sides' best tokens/s (min-max), the ratio of bests (per-round range), equality."""
-    table = [("row", "HF peer", "minibatch tok/s", "HF tok/s", "mb/HF", "same", "own speed-up mb / HF")]
+    table = [("row", f"{peer} peer", "minibatch tok/s", f"{peer} tok/s", f"mb/{peer}", "same",
+              f"own speed-up mb / {peer}")]
     for name, (peer, r) in rows.items():
         own = ""
         if name.startswith(("draft", "ngram")) and base in rows:
@@ -263,8 +226,9 @@ def time_rows(args, target, hf_target, hf_draft, wl, short) -> dict:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minibatch.bench peers", description=__doc__.splitlines()[0])
+def parse_args(prog: str, description: str, argv, ks=(4, 8)) -> argparse.Namespace:
+    """The options of a peers bench (HF here, vLLM in vllm_peer.py), checked once."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--num-requests", type=int, default=32, help="continuous/static: long-tail requests")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="slots, both sides")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step, both sides")
@@ -272,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-prompts", type=int, default=4, help="batch-1 rows: prompts, one after another")
     ap.add_argument("--max-tokens", type=int, default=128, help="batch-1 rows: tokens per prompt")
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8],
+    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(ks),
                     help="proposal lengths for the draft and n-gram rows")
     ap.add_argument("--repeats", type=int, default=3, help="alternating timed runs per row, best kept")
     args = ap.parse_args(argv)
@@ -281,6 +245,11 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(k < 1 for k in args.ks):
         ap.error(f"--ks must be integers >= 1, got {args.ks}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args("python -m minibatch.bench peers", __doc__.splitlines()[0], argv)
     try:
         import transformers
     except ImportError:

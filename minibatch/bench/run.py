@@ -6,6 +6,7 @@
     python -m minibatch.bench attention    Triton vs PyTorch paged attention (GB/s on a GPU)
     python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged
     python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
+    python -m minibatch.bench vllm         against vLLM's CPU build on the same weights (its own venv)
     python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
     python -m minibatch.bench disagg       colocated vs disaggregated prefill/decode: TTFT and TPOT under load
@@ -153,8 +154,8 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
-          "peers": "minibatch.bench.peers", "online": "minibatch.bench.online", "serve": "minibatch.bench.serve",
-          "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
+          "peers": "minibatch.bench.peers", "vllm": "minibatch.bench.vllm_peer", "online": "minibatch.bench.online",
+          "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
           "gpu-check": "minibatch.bench.gpu_check"}
 
 
@@ -162,6 +163,11 @@ def main(argv=None):
     import importlib
     import sys
     argv = sys.argv[1:] if argv is None else list(argv)
+    from minibatch.engine import threads       # --threads N, anywhere on the line, for every bench
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    threads.add_argument(pre)
+    known, argv = pre.parse_known_args(argv)
+    threads.use_cli(known.threads)
     if argv and argv[0] in OTHERS:
         importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
         return 0

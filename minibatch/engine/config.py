@@ -10,6 +10,7 @@ from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
 from minibatch.spec_decode.proposer import check_speculative_config
+from minibatch.engine.threads import check_num_threads
 
 SCHEDULINGS = ("continuous", "static")
 
@@ -44,6 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_mode: str = "auto"              # or "eager-replay"
     cuda_graph_sizes: Optional[list] = None
+    num_threads: Optional[int] = None          # CPU threads; None: from the model's size (engine/threads.py)
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -101,6 +103,7 @@ class EngineConfig:
                 if b > self.max_num_seqs:
                     raise ValueError(f"cuda_graph_sizes holds {b}, over max_num_seqs={self.max_num_seqs}: "
                                      f"no decode batch is ever that large")
+        check_num_threads(self.num_threads)
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""

@@ -27,6 +27,7 @@ from minibatch.engine.sampler import SamplingParams
 from minibatch.engine.scheduler import Scheduler
 from minibatch.engine.sequence import Request, Sequence
 from minibatch.engine.static_scheduler import StaticScheduler
+from minibatch.engine import threads
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
@@ -39,6 +40,7 @@ from minibatch.trace import make_trace
 class LLMEngine:
     def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), draft_model: Optional[GPT] = None):
         c, mc = config, model.config
+        threads.apply(c.num_threads, model)        # CPU: threads from the model's size, or as asked
         num_blocks = c.num_blocks_for(mc.n_ctx)
         self.model, self.config = model, c
         self.allocator = BlockAllocator(num_blocks, c.block_size, c.enable_prefix_caching)

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prefill instance and a decode instance behind this endpoint (minibatch/distributed/)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
+    from minibatch.engine import threads
+    threads.add_argument(p)
 
 
 def make_llm(args):

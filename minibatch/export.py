@@ -1,0 +1,112 @@
+"""The shipped weights as a Hugging Face GPT-2: the one owner of that conversion.
+
+    python -m minibatch.export hf OUT_DIR [--model target|draft] [--force]
+
+writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``, a ``GPT2LMHeadModel`` directory that
+transformers (``from_pretrained``) and vLLM (``LLM(model=OUT_DIR, skip_tokenizer_init=True)``) load.
+The bench peers (``minibatch/bench/peers.py``, ``vllm_peer.py``) and their tests convert through here.
+
+The conversion is exact because the shipped GPT is GPT-2 (``minibatch/model/model.py``): wte, wpe, per
+block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, then ln_f and a head tied to wte.
+transformers' GPT-2 stores those projections as ``Conv1D`` (y = x W + b, W [in, out]) where ``nn.Linear``
+stores W [out, in], so their weights transpose. tanh-GELU is HF's ``"gelu_new"``; the LayerNorm eps is
+copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0. A byte model has no tokenizer files:
+its token ids are the bytes (``minibatch/model/tokenizer.py``), so a peer takes token ids, not text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+from minibatch.model.model import GPT
+
+PAD = 0                                  # byte 0 (NUL) never occurs in code; peers mask it out anyway
+MODELS = ("target", "draft")             # the shipped GPTs (the speculative heads are not GPT-2s)
+
+
+def hf_config(model: GPT, n_positions: int | None = None) -> dict:
+    """GPT2Config's fields for `model`; n_positions > n_ctx pads position embeddings (see hf_state_dict)."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"the conversion needs a minibatch GPT, got {type(model).__name__}")
+    c = model.config
+    n_positions = c.n_ctx if n_positions is None else n_positions
+    if n_positions < c.n_ctx:
+        raise ValueError(f"n_positions must be >= the model's context {c.n_ctx}, got {n_positions}")
+    return dict(vocab_size=c.vocab_size, n_positions=n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
+                n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=model.h[0].ln_1.eps,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+
+
+def hf_state_dict(model: GPT, n_positions: int | None = None) -> dict:
+    """``GPT2LMHeadModel``'s tensors (float32, CPU), the head left out: it is tied to transformer.wte.
+
+    n_positions > n_ctx appends zero position embeddings, for padded static batches only: a member that
+    finished keeps computing thrown-away tokens until the batch's longest is done, and may run past the
+    n_ctx learned positions; its useful tokens never do (prompt + max_tokens <= n_ctx).
+    """
+    c, n_positions = model.config, hf_config(model, n_positions)["n_positions"]
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".weight") and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc"):
+            t = t.t()                                  # nn.Linear [out, in] -> Conv1D [in, out]
+        if name == "wpe.weight":                       # [n_ctx, C] -> [n_positions, C]
+            t = torch.cat([t, t.new_zeros(n_positions - c.n_ctx, c.n_embd)])
+        state[f"transformer.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
+    return state
+
+
+def to_hf(model: GPT, n_positions: int | None = None):
+    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf = GPT2LMHeadModel(GPT2Config(**hf_config(model, n_positions)))
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model, n_positions), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"conversion mismatch: missing {missing}, unexpected {unexpected}")
+    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
+        raise RuntimeError("the converted LM head is not tied to wte")
+    return hf.eval().requires_grad_(False)
+
+
+def export_hf(model: GPT, out_dir, force: bool = False) -> pathlib.Path:
+    """Write `model` as a GPT2LMHeadModel directory (config.json, model.safetensors); transformers not needed."""
+    from safetensors.torch import save_file
+    out = pathlib.Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"{out} is not empty; pass --force (force=True) to write over it")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "torch_dtype": "float32",
+              **hf_config(model)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minibatch.export", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="format", required=True)
+    hf = sub.add_parser("hf", help="a transformers GPT2LMHeadModel directory (config.json + model.safetensors)")
+    hf.add_argument("out_dir")
+    hf.add_argument("--model", default="target", help=f"shipped model: one of {list(MODELS)}")
+    hf.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    args = ap.parse_args(argv)
+    from minibatch.model.weights import load_model
+    try:
+        if args.model not in MODELS:
+            raise ValueError(f"unknown model {args.model!r}; choose one of {list(MODELS)}")
+        out = export_hf(load_model(args.model, device="cpu"), args.out_dir, force=args.force)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.model} as GPT2LMHeadModel to {out}/ (config.json, model.safetensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

