@@ -119,7 +119,10 @@ class BlockAllocator(BlockAllocatorBase):
 
     def fork(self, parent_id, child_id) -> None:
         """Parallel sampling: the child shares every block of the parent (each ref count + 1), with the same
-        num_slots and chain. Nothing is copied now; a write into a shared block copies it (append_slots)."""
+        num_slots and chain. Nothing is copied now; a write into a shared block copies it (append_slots).
+
+        ``child_id`` must be new: ValueError when it is already allocated (replacing its table would leak its
+        blocks), UnknownSequenceError for an unknown parent; either way nothing changes."""
         raise NotImplementedError("Exercise 6: BlockAllocator.fork (exercises/ex6_block_allocator.py)")
 
     def free(self, seq_id) -> None:
