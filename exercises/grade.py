@@ -18,7 +18,8 @@ that part alone, so whatever the student's file does costs that part only:
 
 A part that did not run all of its tests to the end scores 0, and the report
 says why and which test was running. Points: ``POINTS`` per part, shared
-equally among its tests. The report is printed as a table and, with ``--json``,
+among its tests in exact dyadic fractions (``split_points``): a part's tests add up to exactly its points,
+and the top-level score is exactly the sum of the tests' scores. The report is printed as a table and, with ``--json``,
 written in the format Gradescope's autograder reads (written whatever happens,
 even when the grader itself fails): top level ``score``, ``execution_time``,
 ``output``, ``tests``; per test ``name``, ``score``, ``max_score``, ``status``,
@@ -83,11 +84,33 @@ class PartRun:
     def passed(self) -> int:
         return sum(self.outcomes.get(t, Outcome("not run")).status == "passed" for t in self.expected)
 
+    def shares(self) -> list:
+        """Each expected test's worth, in the order collected: exact (see ``split_points``)."""
+        return split_points(self.points, len(self.expected))
+
+    def test_score(self, nodeid: str, share: float) -> float:
+        ok = not self.problem and self.outcomes.get(nodeid, Outcome("not run")).status == "passed"
+        return share if ok else 0.0
+
     @property
     def score(self) -> float:
-        if self.problem or not self.expected:
-            return 0.0
-        return self.points * self.passed / len(self.expected)
+        """The sum of its tests' scores: exact, so a part with every test passed scores exactly its points."""
+        return sum(self.test_score(t, w) for t, w in zip(self.expected, self.shares()))
+
+
+def split_points(points: float, n: int) -> list:
+    """``points`` shared among ``n`` tests as dyadic fractions (quarters, eighths, ...: exact in binary floating
+    point, so any sum of them is exact, and Gradescope shows 10/10, never 9.9999/9.9999). The first tests get
+    one unit more than the rest when the units do not divide evenly; a unit is the largest power of two over
+    four (1/4, 1/8, ...) that gives every test at least four."""
+    if n <= 0:
+        return []
+    denom = 4
+    while points * denom < 4 * n:
+        denom *= 2
+    units = round(points * denom)
+    base, extra = divmod(units, n)
+    return [(base + (i < extra)) / denom for i in range(n)]
 
 
 def parse_parts(text: str | None) -> list:
@@ -299,18 +322,19 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
         elif 0 < got < n:                                # partly done: say what is left
             lines.append(f"      {n - got} failing: MINIBATCH_STUDENT={r.piece.name} python -m pytest "
                          f"tests/exercises -m {r.piece.part} shows why")
-        each = r.points / n if n else r.points
-        for t in (r.expected or [f"(no tests: {r.piece.part})"]):
-            ok = not r.problem and r.outcomes.get(t, Outcome("not run")).status == "passed"
+        rows = list(zip(r.expected, r.shares())) or [(f"(no tests: {r.piece.part})", r.points)]
+        for t, share in rows:
+            got_t = r.test_score(t, share)
             tests.append({"name": f"{r.piece.part} {r.piece.title}: {_short(t)}",
-                          "score": round(each if ok else 0.0, 4), "max_score": round(each, 4),
-                          "status": "passed" if ok else "failed", "output": _test_output(r, t),
-                          "visibility": "visible", "tags": [r.piece.part]})
-        parts[r.piece.part] = {"score": round(r.score, 4), "max_score": r.points, "tests": n, "passed": got,
+                          "score": got_t, "max_score": share,
+                          "status": "passed" if share and got_t == share else "failed",
+                          "output": _test_output(r, t), "visibility": "visible", "tags": [r.piece.part]})
+        parts[r.piece.part] = {"score": r.score, "max_score": r.points, "tests": n, "passed": got,
                                "problem": r.problem, "seconds": round(r.seconds, 1)}
     lines.append(("{:<6}{:<%d}{:>7.1f} / {:<6g}" % width).format("", "total", total, max_total))
     table = "\n".join(line.rstrip() for line in lines + ([""] + problems if problems else []))
-    return table, {"score": round(total, 4), "execution_time": round(seconds, 1), "output": table,
+    total = sum(t["score"] for t in tests)             # exact: dyadic fractions add up without rounding
+    return table, {"score": total, "execution_time": round(seconds, 1), "output": table,
                    "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
                    "extra_data": {"max_score": max_total, "parts": parts}}
 
