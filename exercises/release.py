@@ -248,8 +248,7 @@ def _guard_notebook(path: Path, held_out=()) -> None:
 def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REPO, force: bool = False,
           with_hints: bool = False) -> dict:
     """Write the release to ``out``; returns {"pieces": [...], "files": n, "solutions": [...]}."""
-    pieces = [exercises.PIECES[n] for n in sorted(exercises.selected("all" if not parts else parts),
-                                                  key=lambda n: int(exercises.PIECES[n].part[2:]))]
+    pieces = exercises.in_order(exercises.selected("all" if not parts else parts))
     out = Path(out).resolve()
     if out == root.resolve() or out in root.resolve().parents:
         raise ValueError(f"refusing to write the release over the repository itself ({out})")
