@@ -341,6 +341,21 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
                    "extra_data": {"max_score": max_total, "parts": parts}}
 
 
+def add_project(rep: dict, student_dir=None) -> None:
+    """The scheduling project (exercises/project.py, in a process of its own) into the report: one test entry
+    (the correctness floor, then goodput against the engine's scheduler), and Gradescope's ``leaderboard``."""
+    from exercises import project
+    p = project.score(student_dir)
+    rep["tests"].append({"name": "project: scheduling policy (correctness floor, goodput)", "score": p["points"],
+                         "max_score": float(p["max_points"]), "status": "passed" if p["floor"] else "failed",
+                         "output": p["output"], "visibility": "visible", "tags": ["project"]})
+    rep["score"] = sum(t["score"] for t in rep["tests"])
+    rep["leaderboard"] = p["leaderboard"]
+    rep["extra_data"]["max_score"] += p["max_points"]
+    rep["extra_data"]["project"] = {k: p[k] for k in ("points", "max_points", "floor", "goodput", "baseline")}
+    rep["output"] += f"\n\nproject: {p['points']:g} / {p['max_points']} ({p['output'].splitlines()[0]})"
+
+
 def failed_report(error: str, seconds: float) -> dict:
     """The report when the grader itself could not grade: score 0, and why (for the instructor)."""
     return {"score": 0.0, "execution_time": round(seconds, 1), "visibility": "visible",
@@ -377,6 +392,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-mb", type=float, default=None,
                     help="cap each part's address space (RLIMIT_AS) at this many MiB (default: no cap; "
                          "not with CUDA, which reserves far more address space than it uses)")
+    ap.add_argument("--project", action="store_true",
+                    help="also score the scheduling project (exercises/project.py): a test entry and Gradescope's "
+                         "leaderboard")
     args = ap.parse_args(argv)
     try:
         pieces = parse_parts(args.parts)
@@ -390,6 +408,9 @@ def main(argv=None) -> int:
                                               f"{r.seconds:.1f} s" + (" (not graded)" if r.problem else ""),
                                               file=sys.stderr, flush=True))
         table, rep = report(runs, time.perf_counter() - t0)
+        if args.project:
+            add_project(rep, args.student_dir)
+            table = rep["output"]
         print(table)
     except Exception as e:                       # the grader's own failure: still a report, and a clear exit
         detail = str(e) if isinstance(e, GradingError) else traceback.format_exc()

@@ -44,7 +44,8 @@ import exercises
 REPO = Path(__file__).resolve().parent.parent
 INSTRUCTOR_ONLY = ("exercises/mutants/", "exercises/release.py", "tests/test_exercise_honesty.py",
                    "tests/test_grader.py", "tests/test_release.py",
-                   "exercises/problem_sets/keys/")        # the problem sets' answer keys and rubrics
+                   "exercises/problem_sets/keys/",        # the problem sets' answer keys and rubrics
+                   "exercises/project_hidden.py")          # the project's hidden workload
 HINTS = "exercises/hints/"                                 # worked approaches: only with --with-hints
 SKIP_PARTS = {"__pycache__", ".git", ".pytest_cache", ".hypothesis", ".ipynb_checkpoints"}
 GUARD_CELL = ["# Student release: a cell that needs an exercise you have not finished is skipped, with a message\n",
