@@ -88,7 +88,9 @@ def run_policy(cls, reqs: list, model) -> dict:
             if o.finished:
                 done[o.request_id] = (t, len(o.outputs[0].token_ids))
     alloc = eng.allocator
-    leak = alloc.num_blocks - alloc.num_free_blocks
+    leak = alloc.num_blocks - alloc.num_free_blocks         # every request finished: every block comes back
+    if leak:
+        return {"finished": len(done), "requests": len(reqs), "leaked_blocks": leak}
     alloc.check_invariants([])
     met = 0
     for k, (arrival, _, _) in enumerate(reqs):
@@ -111,7 +113,7 @@ def _load_student(student_dir: Path):
     return mod.ProjectScheduler
 
 
-def _run(student_dir: Path, seed: int, out: Path) -> None:
+def _run(student_dir: Path, seed: int, out: Path, num_requests: int = 20) -> None:
     """In the child: baseline and student's policy on the same workload (baseline first, then the student's,
     then the baseline again: the CPU clock drifts on a shared machine, the better baseline run is kept)."""
     import torch
@@ -119,7 +121,7 @@ def _run(student_dir: Path, seed: int, out: Path) -> None:
     from minibatch.model.weights import load_model
     torch.manual_seed(0)
     model = load_model("target", device="cpu")
-    reqs = workload(seed)
+    reqs = workload(seed, num_requests)
     student_cls = _load_student(student_dir)
     base = [run_policy(Scheduler, reqs, model)]
     result = {"clock": CLOCK, "seed_is_practice": seed == PRACTICE_SEED}
@@ -132,7 +134,7 @@ def _run(student_dir: Path, seed: int, out: Path) -> None:
     out.write_text(json.dumps(result))
 
 
-def score(student_dir=None, seed=None, timeout: float = TIMEOUT) -> dict:
+def score(student_dir=None, seed=None, timeout: float = TIMEOUT, num_requests: int = 20) -> dict:
     """Run the project in a child process; {"points", "max_points", "floor", "goodput", "baseline", "output",
     "leaderboard": [{"name", "value", "order"}]}."""
     import tempfile
@@ -145,7 +147,7 @@ def score(student_dir=None, seed=None, timeout: float = TIMEOUT) -> dict:
     with tempfile.TemporaryDirectory(prefix="minibatch-project-") as tmp:
         out = Path(tmp) / "result.json"
         p = subprocess.Popen([sys.executable, "-m", "exercises.project", "--run", "--student-dir", str(student_dir),
-                              "--seed", str(seed), "--result", str(out)], cwd=Path(__file__).resolve().parent.parent,
+                              "--seed", str(seed), "--result", str(out), "--requests", str(num_requests)], cwd=Path(__file__).resolve().parent.parent,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             log = p.communicate(timeout=timeout)[0].decode(errors="replace")
@@ -186,11 +188,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds (default {TIMEOUT:g})")
     ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)      # the child
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=20, help="how many requests the workload has (default 20)")
     args = ap.parse_args(argv)
     if args.run:
-        _run(Path(args.student_dir), args.seed, Path(args.result))
+        _run(Path(args.student_dir), args.seed, Path(args.result), args.requests)
         return 0
-    rep = score(args.student_dir, args.seed, args.timeout)
+    rep = score(args.student_dir, args.seed, args.timeout, args.requests)
     print(rep["output"])
     print(f"project: {rep['points']:g} / {rep['max_points']} autograded points (the report is graded by hand)")
     if args.json:

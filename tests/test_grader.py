@@ -217,3 +217,32 @@ def test_results_json_is_written_even_when_the_grader_fails(tmp_path, monkeypatc
     rep = json.loads(out.read_text())
     assert rep["score"] == 0 and rep["tests"] == [] and "no tests here" in rep["output"]
     assert "grading failed" in capsys.readouterr().err
+
+
+# -- the scheduling project ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_project_scores_the_floor_goodput_and_a_leaderboard(tmp_path):
+    """The shipped policy (the engine's own scheduler) meets the floor and matches the baseline; a policy that
+    leaks a block, or one that crashes, scores 0, in its own process, saying why."""
+    from exercises import project
+    good = project.score(exercises.PACKAGE_DIR, seed=project.PRACTICE_SEED, num_requests=6)
+    assert good["floor"] and good["points"] >= project.POINTS_FLOOR, good["output"]
+    assert good["leaderboard"][0]["name"].startswith("goodput") and good["leaderboard"][0]["order"] == "desc"
+    assert (good["points"] * 4).is_integer() and "clock: cpu" in good["output"]
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "project_scheduler.py").write_text(
+        "from minibatch.engine.scheduler import Scheduler\n\n\nclass ProjectScheduler(Scheduler):\n"
+        "    def _fill(self, out):\n        super()._fill(out)\n"
+        "        if not hasattr(self, 'leaked'):\n            self.leaked = self.allocator.allocate('leak', [1, 2, 3])\n")
+    bad = project.score(leaky, seed=project.PRACTICE_SEED, num_requests=6)
+    assert not bad["floor"] and bad["points"] == 0 and "blocks leaked" in bad["output"], bad["output"]
+    (leaky / "project_scheduler.py").write_text("import os\nos._exit(3)\n")
+    dead = project.score(leaky, seed=project.PRACTICE_SEED, num_requests=6)
+    assert dead["points"] == 0 and "status 3" in dead["output"], dead["output"]
+
+
+def test_the_hidden_workload_is_not_the_practice_one():
+    from exercises import project
+    from exercises.project_hidden import SEED
+    assert SEED != project.PRACTICE_SEED and project.workload(SEED) != project.workload(project.PRACTICE_SEED)
