@@ -77,17 +77,7 @@ def _paged_decode_kernel(
 ):
     """out[seq, head] = softmax(scale * K q) V over the seq_len keys of sequence ``seq``, read through its block table.
 
-    Step by step (delete the static_assert when you start):
-      seq, head, kv_head, seq_len         -- tl.program_id, GQA, tl.load(seq_lens_ptr + seq)
-      offs_d, d_valid, q                  -- tl.arange(0, BLOCK_D), offs_d < head_dim, one masked load
-      m_i, l_i, acc                       -- -inf, 0.0, zeros([BLOCK_D])
-      for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-          phys                            -- tl.load(block_tables_ptr + seq * stride_bt + j), as int64
-          offs_n, k_valid                 -- tl.arange(0, BLOCK_SIZE); j * BLOCK_SIZE + offs_n < seq_len
-          k, v                            -- [BLOCK_SIZE, BLOCK_D] masked loads of block phys, kv_head
-          s                               -- tl.sum(k * q[None, :], 1) * scale, -inf where not k_valid
-          m_new, alpha, p, l_i, acc, m_i  -- the online softmax above
-      store acc / l_i, cast to out's dtype (out_ptr.dtype.element_ty), lanes d_valid only
+    Delete the static_assert when you start. The step-by-step version is in ``exercises/hints/ex9.md``.
     """
     tl.static_assert(False, "Exercise 9: write _paged_decode_kernel (exercises/ex9_paged_decode_kernel.py)")
 
