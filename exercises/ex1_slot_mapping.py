@@ -7,11 +7,9 @@ table* lists the physical blocks that hold its logical blocks 0, 1, 2, ...
     block_table = [5, 2]      block_size = 4
     positions 0..3 live in physical block 5, positions 4..7 in physical block 2
 
-Every token has a **slot**, its place in the flattened pool
-``[num_blocks * block_size]``:
-
-    slot = block_table[position // block_size] * block_size  +  position % block_size
-           (the physical block id)                               (the offset inside the block)
+Every token has a **slot**, its place in the flattened pool ``[num_blocks * block_size]``
+(block b's slots are b * block_size .. (b + 1) * block_size - 1). Work out from the picture above which
+slot a position lands in; the example below checks your formula. (``exercises/hints/ex1.md`` spells it out.)
 
 Before each step, the engine computes one slot per *new* token (the **slot
 mapping**) so that the attention layer can write all the new keys and values
@@ -37,11 +35,8 @@ def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") ->
              -> positions (3, 4, 5) of sequence 0 and (0, 1) of sequence 1
              -> slots [23, 8, 9, 28, 29]
 
-    Hints: a position's block *index* in the table is position // block_size, and its
-    offset inside that block is position % block_size. You may assume every position falls
-    inside the blocks its table holds (the allocator handed them out before the step).
-    A Python loop over sequences is fine; torch.arange builds each sequence's positions.
-    Build the slots on the CPU and move the result with ``.to(device)`` at the end: the tests
-    also ask for device="meta", a device that holds shapes but no values.
+    You may assume every position falls inside the blocks its table holds (the allocator handed
+    them out before the step). The tests also ask for device="meta", a device that holds shapes
+    but no values: build the slots on the CPU and move the result at the end.
     """
     raise NotImplementedError("Exercise 1: slot_mapping (exercises/ex1_slot_mapping.py)")

@@ -33,12 +33,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     (do not normalise them); return a new tensor, or the input itself when nothing is filtered.
     Never write into ``logits`` itself: the caller still uses it (``masked_fill``, not ``masked_fill_``).
 
-    Hints:
-      * top-k: ``torch.topk(logits, k).values[-1]`` is the k-th largest value; keep
-        ``logits >= it`` (that handles ties for free).
-      * top-p: sort the probabilities in descending order; the mass of the tokens strictly
-        before token i is ``cumsum - p_i``. Token i is in the nucleus while that mass is still
-        below top_p. Then keep every token whose probability is at least the smallest kept
-        one (that handles ties, and maps the sorted decision back to vocabulary order).
+    (Stuck on ties or on mapping a sorted decision back to vocabulary order? ``exercises/hints/ex3.md``.)
     """
     raise NotImplementedError("Exercise 3: apply_top_k_top_p (exercises/ex3_top_k_top_p.py)")

@@ -29,6 +29,6 @@ def ngram_propose(token_ids: list[int], k: int, n_max: int = 3, n_min: int = 1) 
     n never exceeds len(token_ids) - 1. k == 0 -> []. Token ids are any ints (bytes: 0..255),
     not digits; compare them as ints. ``token_ids`` is the sequence itself: read it, never change it.
 
-    Hints: plain Python lists and slices are all you need. Scan s upwards from 0.
+    Plain Python lists and slices are all you need (``exercises/hints/ex5.md`` if you are stuck).
     """
     raise NotImplementedError("Exercise 5: ngram_propose (exercises/ex5_ngram.py)")

@@ -3,22 +3,45 @@ KV cache manager for the prefix cache).
 
 The KV cache is a pool of ``num_blocks`` blocks of ``block_size`` token slots. The allocator decides which
 physical block each sequence's logical blocks live in (its **block table**), counts how many tables hold each
-block (its **ref count**), and keeps the blocks nobody holds in a **free queue**. You write the policy:
-``BlockAllocatorBase`` (in ``minibatch/kv/block_pool.py``; read ``minibatch/kv/block_allocator.py``'s
-docstring first) gives you the state and everything that only reads it:
+block (its **ref count**), and keeps the blocks nobody holds in a **free queue**. You write the policy; the
+base class ``BlockAllocatorBase`` gives you the state below and every method that only reads it. This
+docstring is the whole contract: you need not read the base class (``minibatch/kv/block_pool.py``).
 
-    self._ref[b]        ref count of block b (how many block tables hold it)
+The state (yours to change, in the methods you write):
+
+    self.block_size, self.num_blocks, self.enable_prefix_caching      (set by the constructor)
+    self._ref           a list: self._ref[b] = ref count of block b (how many block tables hold it)
     self._free          the free queue: an OrderedDict used as an ordered set of block ids, front = taken
                         next. self._free.popitem(last=False) takes the front; self._free[b] = None puts b at
                         the back; del self._free[b] takes b out from anywhere. A fresh pool holds 0, 1, 2, ...
-    self._seqs[seq_id]  a _Seq: .blocks (the block table), .num_slots (token slots held), .chain (the
-                        (hash, serial) of its leading blocks registered in the prefix cache)
-    self._get(seq_id)   the _Seq, or UnknownSequenceError
-    self._cache         block hash -> block id, and self._entries: block id -> CacheEntry (the prefix cache)
-    self._evict(b)      drop block b's cache entry, if it has one
-    self._plan(tokens)  (tokens, hits, fresh, free) for a new sequence: hits = self._lookup(tokens) (or [] with
-                        caching off), fresh = blocks to take from the queue, free = queue blocks usable for them
-    self._check_new_id, blocks_needed(n), can_allocate, truncate (calls your _release), check_invariants()
+    self._seqs          a dict seq_id -> _Seq(blocks, num_slots, chain): ``blocks`` the block table (a list),
+                        ``num_slots`` the token slots it holds, ``chain`` a list of (hash, serial), one per
+                        leading full block registered in the prefix cache (below)
+    self._cache         a dict block hash -> block id         } the prefix cache: one entry per registered
+    self._entries       a dict block id -> CacheEntry         } block, in both dicts
+    CacheEntry(block_hash, tokens, parent_serial, serial)   (importable below): the block's hash, its tokens
+                        (a tuple of block_size ints), the serial of the entry its parent block matched (None
+                        for a first block), and its own serial: a number taken from self._next_serial (then
+                        add 1), never reused, so a stale entry can never pass for a newer one with its hash
+    self.hits, self.queries   the prefix cache's counters (allocate updates them)
+
+Given methods: self._get(seq_id) -> the _Seq, or UnknownSequenceError; self._check_new_id(seq_id): ValueError
+for an id already allocated; self._evict(b) drops block b's cache entry (from both dicts), if it has one;
+self.blocks_needed(n) = ceil(n / block_size); self._plan(token_ids) -> (tokens, hits, fresh, free) for a new
+sequence: the tokens as a list (ValueError if empty), hits = self._lookup(tokens) ([] with caching off),
+fresh = blocks_needed(len) - len(hits), free = the queue blocks usable for the fresh ones (the queue less the
+hits that sit in it); can_allocate(tokens) (uses _plan); truncate(seq_id, n) (calls your _release);
+check_invariants() and the read-only views the tests use (block_table, ref_counts, free_block_ids, ...).
+Errors: NoFreeBlocksError (the scheduler catches it), UnknownSequenceError, ValueError.
+
+**The policies the tests check** (vLLM's; part of the specification, not a matter of taste):
+
+* a fresh block comes from the FRONT of the free queue; a block whose ref count reaches 0 goes to the BACK;
+* a sequence's blocks are released LAST BLOCK FIRST (tail first): its last blocks, the least likely to be
+  shared by a later prompt, reach the front, and are evicted, first;
+* a freed block keeps its cache entry until it is taken for something else: the least recently freed cached
+  block is evicted first (LRU over the queue), never the most recently freed;
+* every failed call raises before it changes anything (check first, then act).
 
     A fresh pool of 8 blocks of 4:    free queue [0 1 2 3 4 5 6 7]
     allocate("a", 10 tokens)      ->  a: [0 1 2]  (3 blocks; the last holds 2 tokens, 2 slots spare)
@@ -38,13 +61,11 @@ sequence gets a fresh block in its place (the shared one's ref count drops by on
 (``hash_block_tokens(parent_hash, tuple(tokens))``, parent_hash None for block 0), so a new sequence with the
 same leading tokens reuses those physical blocks (``allocate`` returns how many tokens it found) and skips
 computing them. A block keeps its entry when it is freed: it sits in the free queue, still findable, until it
-reaches the front and is taken for something else (``_take_fresh`` evicts it then). So the **least recently
-freed** cached block is evicted first. A hit on a free block takes it out of the queue.
+reaches the front and is taken for something else (``_take_fresh`` evicts it then). A hit on a free block
+takes it out of the queue.
 
-Every failed call raises before it changes anything (check first, then act).
-
-Suggested order: ``_take_fresh``, ``_release``, ``allocate``, ``append_slots``, ``free`` (prefix caching off:
-``_lookup`` is not called), then ``fork`` and copy-on-write, then ``mark_computed`` and ``_lookup``.
+A worked order of attack, and how the prefix cache's pieces fit together, are in ``exercises/hints/ex6.md``
+(your instructor may hand it out).
 
 Run the tests:  MINIBATCH_STUDENT=block_allocator python -m pytest tests/exercises -m ex6
 Run the engine on it:  exercises.patch_engine("block_allocator") (exercises/README.md)
@@ -105,13 +126,12 @@ class BlockAllocator(BlockAllocatorBase):
 
     def mark_computed(self, seq_id, num_computed_tokens: int, token_ids) -> None:
         """The K/V of the first ``num_computed_tokens`` of ``token_ids`` is now in the cache: register every
-        *full* block among them that is not yet in the sequence's chain (in order, from len(chain)): hash
-        it after its parent; if the block already has an entry (a hit, or shared by fork) extend the chain
-        with it; else if the hash is already cached in another block (same tokens, same parent: check)
-        extend the chain with that entry's serial (and register nothing); else make a new
-        ``CacheEntry(hash, tokens, parent_serial, self._next_serial)`` (then ``_next_serial += 1``) and put it
-        in both ``self._entries[block]`` and ``self._cache[hash]``. Never register a block before it is
-        computed: another sequence would read K/V nobody wrote.
+        *full* block among them that is not yet in the sequence's chain, in order, each hashed after its parent
+        (``hash_block_tokens(parent_hash, tuple(tokens))``), and extend the chain with its (hash, serial). A
+        block that already has an entry (a hit, or shared by fork) is not registered again; a block whose content
+        is already cached in another block (same hash, same tokens, same parent) joins the chain with that
+        entry's serial and registers nothing. Never register a block before it is computed: another sequence
+        would read K/V nobody wrote.
 
         ValueError unless 0 <= num_computed_tokens <= min(num_slots, len(token_ids)). With prefix caching off,
         do nothing (after that check)."""
@@ -119,7 +139,10 @@ class BlockAllocator(BlockAllocatorBase):
 
     def fork(self, parent_id, child_id) -> None:
         """Parallel sampling: the child shares every block of the parent (each ref count + 1), with the same
-        num_slots and chain. Nothing is copied now; a write into a shared block copies it (append_slots)."""
+        num_slots and chain. Nothing is copied now; a write into a shared block copies it (append_slots).
+
+        ``child_id`` must be new: ValueError when it is already allocated (replacing its table would leak its
+        blocks), UnknownSequenceError for an unknown parent; either way nothing changes."""
         raise NotImplementedError("Exercise 6: BlockAllocator.fork (exercises/ex6_block_allocator.py)")
 
     def free(self, seq_id) -> None:

@@ -65,7 +65,8 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """The tree mask: mask [N+1, N+1] bool, mask[i, j] = True iff node j is node i or one of its ancestors.
 
     parents: the parent list (parents[0] == -1, 0 <= parents[i] < i), N + 1 = len(parents) nodes, 1 to 64.
-    Returns a new torch.bool tensor on the CPU; row i is what node i attends to among the tree's nodes.
+    Returns a new torch.bool tensor on the CPU every call (the caller may change it: never hand two callers
+    the same tensor); row i is what node i attends to among the tree's nodes.
     Read ``parents``, never change it (the engine passes the same list on to positions()).
 
     Hint: the nodes come parents first, so when you reach node i its parent's row is already done.
@@ -86,12 +87,13 @@ def positions(parents: list[int], context_len: int) -> list[int]:
 def greedy_path(parents: list[int], tokens: list[int], target_argmax: list[int]) -> list[int]:
     """Greedy verification of a tree: the accepted path, a list of node indices [0, ...] from the root.
 
-    tokens[i]: node i's token (tokens[0], the root's, is already accepted: never compare it).
+    tokens[i]: node i's token, any int (tokens[0], the root's, is already accepted: never compare it).
     target_argmax[i]: the target's argmax at node i, the token it would put *after* node i.
     A child c of node i is accepted when tokens[c] == target_argmax[i] (the argmax at its parent, not at c).
     From the root: step to the first child (in node order) that is accepted; if the first is not, try its
     next sibling, and so on; stop when no child of the current node is accepted (a leaf, or every child
-    rejected). A rejected node ends its branch: nothing below it can be accepted, whatever its children's
+    rejected). Two siblings with the same token: the first in node order, even if the later one's branch
+    would go deeper. A rejected node ends its branch: nothing below it can be accepted, whatever its children's
     tokens. Returns at least [0] (every draft rejected). The lists are the engine's: read them only.
     """
     raise NotImplementedError("Exercise 8: greedy_path (exercises/ex8_tree_mask.py)")

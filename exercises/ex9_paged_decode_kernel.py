@@ -14,24 +14,24 @@ per (sequence, query head), a grid of (B, H). A program:
        and the KV head it reads: GQA, ``kv_head = head // QUERIES_PER_KV`` (consecutive query heads
        share one KV head);
     2. loads its query vector q [BLOCK_D] (in float32);
-    3. walks the logical blocks j = 0 .. cdiv(seq_len, BLOCK_SIZE) - 1, one whole cache block per
-       iteration: looks up the physical block in the block table, loads that block's keys K
-       [BLOCK_SIZE, BLOCK_D] and values V, computes the scores s = (K . q) * scale [BLOCK_SIZE], and
-       folds them into an *online softmax*:
-           m_new = max(m, max_j s_j)                 the running maximum
-           alpha = exp(m - m_new)                    how much the old sums shrink
-           p     = exp(s - m_new)                    [BLOCK_SIZE]
-           l     = l * alpha + sum_j p_j             the running denominator
-           acc   = acc * alpha + sum_j p_j V_j       the running numerator [BLOCK_D]
-           m     = m_new
+    3. walks the sequence's logical blocks, one whole cache block per iteration: looks up the physical
+       block in the block table, loads that block's keys and values, computes the scores
+       (K . q) * scale, and folds them into an *online softmax* (a running maximum, a running
+       denominator and a running numerator, rescaled whenever the maximum grows: Milakov &
+       Gimelshein 2018, Sec. 3; the update rules are in ``exercises/hints/ex9.md``);
     4. stores out = acc / l at out[seq, head].
 
-Two traps the tests set:
+The traps the tests set:
   * only the last block of a sequence can be part-full. Its rows at positions >= seq_len are not
     the sequence's: they hold another sequence's data, or NaN in the tests. Never load them (a
     load mask with ``other=0.0``), and give their scores -inf (``tl.where``), because
     0 * NaN = NaN: a NaN value weighted by p = 0 still poisons the sum.
   * head_dim need not be a power of two (BLOCK_D is the next one): mask the lanes d >= head_dim.
+  * the value cache has strides of its own (it need not be laid out like the key cache), and so has
+    ``out`` (the query may be a strided view): never borrow one tensor's strides for another. Writes
+    outside ``out`` are caught: the tests guard the memory around it.
+  * scores far below 0 (every one of them) must still give a proper softmax; q . k in float16 overflows
+    (65504): compute in float32. Caches can pass 2**31 elements: block offsets in int64.
 
 Triton in ten lines (https://triton-lang.org, "triton.language"):
   * ``tl.arange(0, N)`` (N a power of two, a constexpr) is a vector of offsets; ``ptr + offsets``
@@ -77,17 +77,7 @@ def _paged_decode_kernel(
 ):
     """out[seq, head] = softmax(scale * K q) V over the seq_len keys of sequence ``seq``, read through its block table.
 
-    Step by step (delete the static_assert when you start):
-      seq, head, kv_head, seq_len         -- tl.program_id, GQA, tl.load(seq_lens_ptr + seq)
-      offs_d, d_valid, q                  -- tl.arange(0, BLOCK_D), offs_d < head_dim, one masked load
-      m_i, l_i, acc                       -- -inf, 0.0, zeros([BLOCK_D])
-      for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-          phys                            -- tl.load(block_tables_ptr + seq * stride_bt + j), as int64
-          offs_n, k_valid                 -- tl.arange(0, BLOCK_SIZE); j * BLOCK_SIZE + offs_n < seq_len
-          k, v                            -- [BLOCK_SIZE, BLOCK_D] masked loads of block phys, kv_head
-          s                               -- tl.sum(k * q[None, :], 1) * scale, -inf where not k_valid
-          m_new, alpha, p, l_i, acc, m_i  -- the online softmax above
-      store acc / l_i, cast to out's dtype (out_ptr.dtype.element_ty), lanes d_valid only
+    Delete the static_assert when you start. The step-by-step version is in ``exercises/hints/ex9.md``.
     """
     tl.static_assert(False, "Exercise 9: write _paged_decode_kernel (exercises/ex9_paged_decode_kernel.py)")
 

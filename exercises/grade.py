@@ -18,7 +18,8 @@ that part alone, so whatever the student's file does costs that part only:
 
 A part that did not run all of its tests to the end scores 0, and the report
 says why and which test was running. Points: ``POINTS`` per part, shared
-equally among its tests. The report is printed as a table and, with ``--json``,
+among its tests in exact dyadic fractions (``split_points``): a part's tests add up to exactly its points,
+and the top-level score is exactly the sum of the tests' scores. The report is printed as a table and, with ``--json``,
 written in the format Gradescope's autograder reads (written whatever happens,
 even when the grader itself fails): top level ``score``, ``execution_time``,
 ``output``, ``tests``; per test ``name``, ``score``, ``max_score``, ``status``,
@@ -46,7 +47,9 @@ import exercises
 from exercises import _harness
 
 # Each part's worth, shared equally among its graded tests. A part missing here is worth DEFAULT_POINTS.
-POINTS = {"ex1": 10, "ex2": 15, "ex3": 10, "ex4": 15, "ex5": 10, "ex6": 20, "ex7": 20, "ex8": 15, "ex9": 20}
+# Points follow the hours a part takes (exercises/README.md's table: about 5 points an hour, every part within
+# a factor of 2 of that).
+POINTS = {"ex1": 3, "ex2": 8, "ex3": 5, "ex4": 10, "ex5": 3, "ex6": 30, "ex7": 20, "ex8": 10, "ex10": 8, "ex9": 15}
 DEFAULT_POINTS = 10
 PART_TIMEOUT = 300.0     # seconds for one part's whole session
 TEST_TIMEOUT = 60.0      # seconds for one test
@@ -83,17 +86,39 @@ class PartRun:
     def passed(self) -> int:
         return sum(self.outcomes.get(t, Outcome("not run")).status == "passed" for t in self.expected)
 
+    def shares(self) -> list:
+        """Each expected test's worth, in the order collected: exact (see ``split_points``)."""
+        return split_points(self.points, len(self.expected))
+
+    def test_score(self, nodeid: str, share: float) -> float:
+        ok = not self.problem and self.outcomes.get(nodeid, Outcome("not run")).status == "passed"
+        return share if ok else 0.0
+
     @property
     def score(self) -> float:
-        if self.problem or not self.expected:
-            return 0.0
-        return self.points * self.passed / len(self.expected)
+        """The sum of its tests' scores: exact, so a part with every test passed scores exactly its points."""
+        return sum(self.test_score(t, w) for t, w in zip(self.expected, self.shares()))
+
+
+def split_points(points: float, n: int) -> list:
+    """``points`` shared among ``n`` tests as dyadic fractions (quarters, eighths, ...: exact in binary floating
+    point, so any sum of them is exact, and Gradescope shows 10/10, never 9.9999/9.9999). The first tests get
+    one unit more than the rest when the units do not divide evenly; a unit is the largest power of two over
+    four (1/4, 1/8, ...) that gives every test at least four."""
+    if n <= 0:
+        return []
+    denom = 4
+    while points * denom < 4 * n:
+        denom *= 2
+    units = round(points * denom)
+    base, extra = divmod(units, n)
+    return [(base + (i < extra)) / denom for i in range(n)]
 
 
 def parse_parts(text: str | None) -> list:
     """'ex1,ex3' or 'slot_mapping,top_k_top_p' or 'all' or None -> Pieces, in exercise order."""
     names = exercises.selected("all" if not text else text)
-    return sorted((exercises.PIECES[n] for n in names), key=lambda p: int(p.part[2:]))
+    return exercises.in_order(names)
 
 
 def read_events(path: Path) -> list:
@@ -299,20 +324,36 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
         elif 0 < got < n:                                # partly done: say what is left
             lines.append(f"      {n - got} failing: MINIBATCH_STUDENT={r.piece.name} python -m pytest "
                          f"tests/exercises -m {r.piece.part} shows why")
-        each = r.points / n if n else r.points
-        for t in (r.expected or [f"(no tests: {r.piece.part})"]):
-            ok = not r.problem and r.outcomes.get(t, Outcome("not run")).status == "passed"
+        rows = list(zip(r.expected, r.shares())) or [(f"(no tests: {r.piece.part})", r.points)]
+        for t, share in rows:
+            got_t = r.test_score(t, share)
             tests.append({"name": f"{r.piece.part} {r.piece.title}: {_short(t)}",
-                          "score": round(each if ok else 0.0, 4), "max_score": round(each, 4),
-                          "status": "passed" if ok else "failed", "output": _test_output(r, t),
-                          "visibility": "visible", "tags": [r.piece.part]})
-        parts[r.piece.part] = {"score": round(r.score, 4), "max_score": r.points, "tests": n, "passed": got,
+                          "score": got_t, "max_score": share,
+                          "status": "passed" if share and got_t == share else "failed",
+                          "output": _test_output(r, t), "visibility": "visible", "tags": [r.piece.part]})
+        parts[r.piece.part] = {"score": r.score, "max_score": r.points, "tests": n, "passed": got,
                                "problem": r.problem, "seconds": round(r.seconds, 1)}
     lines.append(("{:<6}{:<%d}{:>7.1f} / {:<6g}" % width).format("", "total", total, max_total))
     table = "\n".join(line.rstrip() for line in lines + ([""] + problems if problems else []))
-    return table, {"score": round(total, 4), "execution_time": round(seconds, 1), "output": table,
+    total = sum(t["score"] for t in tests)             # exact: dyadic fractions add up without rounding
+    return table, {"score": total, "execution_time": round(seconds, 1), "output": table,
                    "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
                    "extra_data": {"max_score": max_total, "parts": parts}}
+
+
+def add_project(rep: dict, student_dir=None) -> None:
+    """The scheduling project (exercises/project.py, in a process of its own) into the report: one test entry
+    (the correctness floor, then goodput against the engine's scheduler), and Gradescope's ``leaderboard``."""
+    from exercises import project
+    p = project.score(student_dir)
+    rep["tests"].append({"name": "project: scheduling policy (correctness floor, goodput)", "score": p["points"],
+                         "max_score": float(p["max_points"]), "status": "passed" if p["floor"] else "failed",
+                         "output": p["output"], "visibility": "visible", "tags": ["project"]})
+    rep["score"] = sum(t["score"] for t in rep["tests"])
+    rep["leaderboard"] = p["leaderboard"]
+    rep["extra_data"]["max_score"] += p["max_points"]
+    rep["extra_data"]["project"] = {k: p[k] for k in ("points", "max_points", "floor", "goodput", "baseline")}
+    rep["output"] += f"\n\nproject: {p['points']:g} / {p['max_points']} ({p['output'].splitlines()[0]})"
 
 
 def failed_report(error: str, seconds: float) -> dict:
@@ -351,6 +392,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-mb", type=float, default=None,
                     help="cap each part's address space (RLIMIT_AS) at this many MiB (default: no cap; "
                          "not with CUDA, which reserves far more address space than it uses)")
+    ap.add_argument("--project", action="store_true",
+                    help="also score the scheduling project (exercises/project.py): a test entry and Gradescope's "
+                         "leaderboard")
     args = ap.parse_args(argv)
     try:
         pieces = parse_parts(args.parts)
@@ -364,6 +408,9 @@ def main(argv=None) -> int:
                                               f"{r.seconds:.1f} s" + (" (not graded)" if r.problem else ""),
                                               file=sys.stderr, flush=True))
         table, rep = report(runs, time.perf_counter() - t0)
+        if args.project:
+            add_project(rep, args.student_dir)
+            table = rep["output"]
         print(table)
     except Exception as e:                       # the grader's own failure: still a report, and a clear exit
         detail = str(e) if isinstance(e, GradingError) else traceback.format_exc()

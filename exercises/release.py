@@ -14,8 +14,11 @@ A copy of this repository for students, in which the reference of every chosen p
   outside ``tests/exercises`` (and a notebook cell) that reaches an unfinished one is skipped, saying which;
 * the graded tests are the instructor's own: they compare with independent oracles (they never call the
   reference) and pass on the instructor's solutions; the grader (``python -m exercises.grade``) comes along;
-* instructor-only files stay behind: the mutants, this builder, the honesty test, the grader's crash tests
-  and the release's own test (``INSTRUCTOR_ONLY``);
+* instructor-only files stay behind: the mutants, this builder, the honesty test, the grader's crash tests,
+  the release's own test and the problem sets' answer keys (``INSTRUCTOR_ONLY``); the hints
+  (``exercises/hints/``) too, unless ``--with-hints``;
+* parts not held out keep their reference, so a staged release (``--parts`` per week) runs every notebook
+  all term;
 * each notebook gets a first cell that switches on ``exercises.notebook``'s guard, and a cell that works a
   held-out part's answer out by hand (metadata ``{"minibatch": {"answer_of": "exN"}}``) becomes a note.
 
@@ -40,7 +43,10 @@ import exercises
 
 REPO = Path(__file__).resolve().parent.parent
 INSTRUCTOR_ONLY = ("exercises/mutants/", "exercises/release.py", "tests/test_exercise_honesty.py",
-                   "tests/test_grader.py", "tests/test_release.py")
+                   "tests/test_grader.py", "tests/test_release.py",
+                   "exercises/problem_sets/keys/",        # the problem sets' answer keys and rubrics
+                   "exercises/project_hidden.py")          # the project's hidden workload
+HINTS = "exercises/hints/"                                 # worked approaches: only with --with-hints
 SKIP_PARTS = {"__pycache__", ".git", ".pytest_cache", ".hypothesis", ".ipynb_checkpoints"}
 GUARD_CELL = ["# Student release: a cell that needs an exercise you have not finished is skipped, with a message\n",
               "# saying which, and the notebook goes on (exercises/notebook.py).\n",
@@ -240,10 +246,10 @@ def _guard_notebook(path: Path, held_out=()) -> None:
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REPO, force: bool = False) -> dict:
+def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REPO, force: bool = False,
+          with_hints: bool = False) -> dict:
     """Write the release to ``out``; returns {"pieces": [...], "files": n, "solutions": [...]}."""
-    pieces = [exercises.PIECES[n] for n in sorted(exercises.selected("all" if not parts else parts),
-                                                  key=lambda n: int(exercises.PIECES[n].part[2:]))]
+    pieces = exercises.in_order(exercises.selected("all" if not parts else parts))
     out = Path(out).resolve()
     if out == root.resolve() or out in root.resolve().parents:
         raise ValueError(f"refusing to write the release over the repository itself ({out})")
@@ -251,7 +257,8 @@ def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REP
         if not force and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty (--force replaces it)")
         shutil.rmtree(out)
-    files = [f for f in tracked_files(root) if not f.startswith(INSTRUCTOR_ONLY)]
+    files = [f for f in tracked_files(root) if not f.startswith(INSTRUCTOR_ONLY)
+             and (with_hints or not f.startswith(HINTS))]
     for f in files:
         (out / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / f, out / f)
@@ -288,9 +295,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", help="parts to hold out (ex1,ex6 or piece names; default: all)")
     ap.add_argument("--solutions", metavar="DIR", help="also write the instructor's solutions here (keep them apart)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--with-hints", action="store_true",
+                    help="ship exercises/hints/ (the worked approaches; left out by default)")
     args = ap.parse_args(argv)
     try:
-        info = build(Path(args.out), args.parts, Path(args.solutions) if args.solutions else None, force=args.force)
+        info = build(Path(args.out), args.parts, Path(args.solutions) if args.solutions else None, force=args.force,
+                     with_hints=args.with_hints)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -80,7 +80,8 @@ def test_a_hang_in_one_test_costs_that_test_only(crashes):
     failed = [t for t in r.expected if r.outcomes[t].status != "passed"]
     assert [t.split("::")[-1] for t in failed] == ["test_block_size_one_and_one_big_block"]
     assert "Timeout" in r.outcomes[failed[0]].message
-    assert r.score == pytest.approx(grade.POINTS["ex1"] * (len(r.expected) - 1) / len(r.expected))
+    shares = dict(zip(r.expected, r.shares()))
+    assert r.score == grade.POINTS["ex1"] - shares[failed[0]]                  # exact: no rounding
 
 
 def test_os_exit_costs_its_part_and_says_so(crashes):
@@ -116,8 +117,9 @@ def test_the_report_is_complete_and_in_gradescope_format(crashes, expected):
         assert t["visibility"] == "visible" and 0 <= t["score"] <= t["max_score"]
     ex3 = [t for t in rep["tests"] if t["tags"] == ["ex3"]]
     assert all(t["score"] == 0 and "The part scores 0: the test process exited" in t["output"] for t in ex3)
-    assert rep["score"] == pytest.approx(sum(t["score"] for t in rep["tests"]), abs=1e-3)
-    assert rep["score"] == pytest.approx(runs["ex1"].score, abs=1e-3)
+    assert rep["score"] == sum(t["score"] for t in rep["tests"]) == runs["ex1"].score      # exact
+    for part in ("ex1", "ex3", "ex4", "ex5"):                 # a part's tests add up to exactly its points
+        assert sum(t["max_score"] for t in rep["tests"] if t["tags"] == [part]) == grade.POINTS[part]
     for part in ("ex3", "ex4", "ex5"):
         assert f"{part} (" in table and "scores 0" in table
 
@@ -196,6 +198,16 @@ def test_deselection_skips_and_memory_through_the_command_line(tmp_path, capsys)
     assert "ex1 (slot mapping) scores 0" in printed and rep["output"] in printed
 
 
+@pytest.mark.parametrize("points", [5, 10, 15, 20, 25, 30])
+def test_points_split_exactly_among_any_number_of_tests(points):
+    for n in range(1, 200):
+        shares = grade.split_points(points, n)
+        assert len(shares) == n and sum(shares) == points, (points, n)       # exact, not approx
+        assert max(shares) - min(shares) <= min(shares) / 3, (points, n, sorted(set(shares)))
+        for k in range(n + 1):                                    # any subset's sum is exact too
+            assert sum(shares[:k]) + sum(shares[k:]) == points
+
+
 def test_results_json_is_written_even_when_the_grader_fails(tmp_path, monkeypatch, capsys):
     def broken(*a, **k):
         raise grade.GradingError("no tests here")
@@ -205,3 +217,32 @@ def test_results_json_is_written_even_when_the_grader_fails(tmp_path, monkeypatc
     rep = json.loads(out.read_text())
     assert rep["score"] == 0 and rep["tests"] == [] and "no tests here" in rep["output"]
     assert "grading failed" in capsys.readouterr().err
+
+
+# -- the scheduling project ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_project_scores_the_floor_goodput_and_a_leaderboard(tmp_path):
+    """The shipped policy (the engine's own scheduler) meets the floor and matches the baseline; a policy that
+    leaks a block, or one that crashes, scores 0, in its own process, saying why."""
+    from exercises import project
+    good = project.score(exercises.PACKAGE_DIR, seed=project.PRACTICE_SEED, num_requests=6)
+    assert good["floor"] and good["points"] >= project.POINTS_FLOOR, good["output"]
+    assert good["leaderboard"][0]["name"].startswith("goodput") and good["leaderboard"][0]["order"] == "desc"
+    assert (good["points"] * 4).is_integer() and "clock: cpu" in good["output"]
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "project_scheduler.py").write_text(
+        "from minibatch.engine.scheduler import Scheduler\n\n\nclass ProjectScheduler(Scheduler):\n"
+        "    def _fill(self, out):\n        super()._fill(out)\n"
+        "        if not hasattr(self, 'leaked'):\n            self.leaked = self.allocator.allocate('leak', [1, 2, 3])\n")
+    bad = project.score(leaky, seed=project.PRACTICE_SEED, num_requests=6)
+    assert not bad["floor"] and bad["points"] == 0 and "blocks leaked" in bad["output"], bad["output"]
+    (leaky / "project_scheduler.py").write_text("import os\nos._exit(3)\n")
+    dead = project.score(leaky, seed=project.PRACTICE_SEED, num_requests=6)
+    assert dead["points"] == 0 and "status 3" in dead["output"], dead["output"]
+
+
+def test_the_hidden_workload_is_not_the_practice_one():
+    from exercises import project
+    from exercises.project_hidden import SEED
+    assert SEED != project.PRACTICE_SEED and project.workload(SEED) != project.workload(project.PRACTICE_SEED)

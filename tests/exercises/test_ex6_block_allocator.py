@@ -153,6 +153,30 @@ def test_fork_on_full_blocks_needs_no_copy_and_three_way_forks_copy_twice():
     b.check_invariants(["p", "c1", "c2"])
 
 
+def test_fork_onto_a_live_sequence_raises_and_changes_nothing():
+    a = Allocator(8)
+    a.allocate("p", toks(6))
+    a.allocate("c", toks(5, 500))
+    before = a.snapshot()
+    with pytest.raises(ValueError):
+        a.fork("p", "c")                                # "c" still holds blocks: replacing its table leaks them
+    assert a.snapshot() == before and a.block_table("c") == [2, 3]
+    with pytest.raises(UnknownSequenceError):
+        a.fork("nobody", "d")
+    assert a.snapshot() == before
+    a.check_invariants(["p", "c"])
+
+
+def test_zero_new_tokens_copy_nothing_even_on_a_shared_partly_filled_block():
+    a = Allocator(8)
+    a.allocate("p", toks(6))                            # [0, 1]; block 1 holds 2 tokens
+    a.fork("p", "c")
+    before = a.snapshot()
+    assert a.append_slots("c", 0) == []                 # nothing is written: nothing to copy
+    assert a.snapshot() == before and a.block_table("c") == [0, 1] and a.num_free_blocks == 6
+    assert a.append_slots("c", 1) == [(1, 2)]           # the first real write copies
+
+
 def test_free_after_fork_keeps_the_shared_blocks():
     a = Allocator(4)
     a.allocate("p", toks(6))
@@ -344,6 +368,8 @@ def test_hit_and_query_counters():
     a.can_allocate(A)
     a.allocate("d", [1, 2])
     assert (a.hits, a.queries) == (3, 7)
+    a.allocate("e", A[:8])                              # 8 tokens: 1 block could be found, not 2 (the last
+    assert (a.hits, a.queries) == (4, 8)                # token's block is never looked up)
     off = Allocator(8, caching=False)
     computed(off, "a", A)
     assert off.allocate("b", A) == 0 and (off.hits, off.queries) == (0, 0) and off.cached_block_ids() == []
@@ -416,11 +442,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         sid = f"s{self.next_id}"
         self.next_id += 1
         need, free = -(-len(tokens) // BS), len(self.m.queue)
+        counters = self.a.hits, self.a.queries
         try:
             cached = self._try(lambda: self.a.allocate(sid, tokens))
         except NoFreeBlocksError:
             assert self.caching or need > free, f"allocate({len(tokens)} tokens) refused with {free} blocks free"
+            assert (self.a.hits, self.a.queries) == counters, "a refused allocate counted queries or hits"
             return
+        looked = (len(tokens) - 1) // BS if self.caching else 0     # whole blocks, the last token's left out
+        assert (self.a.hits - counters[0], self.a.queries - counters[1]) == (cached // BS, looked), \
+            f"allocate({len(tokens)} tokens) counted hits, queries {self.a.hits - counters[0]}, " \
+            f"{self.a.queries - counters[1]}; want {cached // BS}, {looked}"
         assert self.caching or need <= free, f"allocate({len(tokens)} tokens) took {need} blocks, {free} were free"
         assert cached % BS == 0 and cached <= len(tokens) - 1
         table = self.a.block_table(sid)
@@ -491,6 +523,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.m.tables[child] = list(self.m.tables[parent])
         self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
         assert self.a.block_table(child) == self.a.block_table(parent)
+
+    @precondition(lambda self: len(self.tokens) >= 2)
+    @rule(data=st.data())
+    def fork_onto_a_live_sequence(self, data):                  # must raise and change nothing
+        parent, child = data.draw(st.permutations(self.seqs))[:2]
+        before = self.a.snapshot()
+        with pytest.raises(ValueError):
+            self.a.fork(parent, child)
+        assert self.a.snapshot() == before, f"fork({parent!r}, {child!r}) onto a live sequence changed the pool"
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def append_nothing(self, data):                             # a step that writes no token: no copy, no block
+        sid = data.draw(st.sampled_from(self.seqs))
+        before = self.a.snapshot()
+        assert self.a.append_slots(sid, 0) == [], f"append_slots({sid!r}, 0) returned copy-on-write pairs"
+        assert self.a.snapshot() == before, f"append_slots({sid!r}, 0) changed the pool"
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -4,12 +4,14 @@ Exact schedules on small scenarios, step by step (which sequence runs with how m
 and who is preempted), in the style of vLLM's scheduler tests: the scheduler under test is driven through
 ``schedule()`` and ``update_from_output()`` with a model-free runner output (token 200 + i for a sequence's
 i-th output token). Blocks come from ``ToyPool``, a plain stand-in for the block allocator (not exercise 6's:
-it shares and caches nothing), so this part needs only your scheduler. Then invariants over random workloads,
+it shares blocks after a fork and copies on write, but caches nothing), so this part needs only your scheduler. Then invariants over random workloads,
 and the engine's greedy text on your scheduler, equal to generation without any cache.
 """
+from collections import Counter
+
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import exercises
@@ -23,9 +25,10 @@ pytestmark = pytest.mark.ex7
 
 
 class ToyPool:
-    """What the scheduler asks of a block allocator, in plain Python: blocks handed out from a stack, no
-    sharing, no prefix cache (a forked child's blocks are stand-ins outside the pool, as if shared with its
-    parent: nothing is copied, no model runs here).
+    """What the scheduler asks of a block allocator, in plain Python: blocks handed out from a stack, ref counts,
+    and copy-on-write: a forked child shares its parent's blocks, and a sequence about to write into a shared,
+    partly filled last block gets a fresh one, ``append_slots`` returning the (shared, fresh) pair for the engine
+    to copy (``returned`` keeps every pair handed out, for the checks). No prefix cache of its own:
     ``cached``: token lists whose leading whole blocks count as a prefix-cache hit for any prompt that starts
     with them (held outside the pool, as if another sequence kept them)."""
 
@@ -33,6 +36,7 @@ class ToyPool:
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, False
         self.hits = self.queries = 0
         self.stack = list(range(num_blocks))[::-1]          # pop() hands out 0, 1, 2, ...
+        self.ref, self.returned = [0] * num_blocks, []
         self.tables, self.slots, self.cached, self.outside = {}, {}, [list(c) for c in cached], num_blocks
 
     def blocks_needed(self, n):
@@ -54,6 +58,11 @@ class ToyPool:
     def can_allocate(self, tokens):
         return self.blocks_needed(len(tokens)) - self._hit_blocks(tokens) <= len(self.stack)
 
+    def _take(self):
+        b = self.stack.pop()
+        self.ref[b] = 1
+        return b
+
     def allocate(self, seq_id, tokens):
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already exists (allocated twice, never freed?)")
@@ -62,7 +71,7 @@ class ToyPool:
         hit = self._hit_blocks(tokens)
         table = list(range(self.outside, self.outside + hit))        # the cached blocks: not from the pool
         self.outside += hit
-        table += [self.stack.pop() for _ in range(self.blocks_needed(len(tokens)) - hit)]
+        table += [self._take() for _ in range(self.blocks_needed(len(tokens)) - hit)]
         self.tables[seq_id], self.slots[seq_id] = table, len(tokens)
         return hit * self.block_size
 
@@ -72,16 +81,28 @@ class ToyPool:
         return self.tables[seq_id]
 
     def _release(self, blocks):
-        self.stack += [b for b in reversed(blocks) if b < self.num_blocks]
+        for b in reversed(blocks):
+            if b < self.num_blocks:
+                self.ref[b] -= 1
+                if not self.ref[b]:
+                    self.stack.append(b)
 
     def append_slots(self, seq_id, n):
         table = self._seq(seq_id)
         grow = self.blocks_needed(self.slots[seq_id] + n) - len(table)
-        if grow > len(self.stack):
-            raise NoFreeBlocksError(f"{seq_id!r} needs {grow} blocks, {len(self.stack)} are free")
-        table += [self.stack.pop() for _ in range(grow)]
+        last = table[-1] if n and self.slots[seq_id] % self.block_size else None
+        cow = last is not None and last < self.num_blocks and self.ref[last] > 1
+        if grow + cow > len(self.stack):
+            raise NoFreeBlocksError(f"{seq_id!r} needs {grow + cow} blocks, {len(self.stack)} are free")
+        pairs = []
+        if cow:                                              # shared and about to be written: a private copy
+            table[-1] = self._take()
+            self.ref[last] -= 1
+            pairs.append((last, table[-1]))
+        table += [self._take() for _ in range(grow)]
         self.slots[seq_id] += n
-        return []
+        self.returned += pairs
+        return pairs
 
     def truncate(self, seq_id, n):
         table, keep = self._seq(seq_id), self.blocks_needed(n)
@@ -94,9 +115,12 @@ class ToyPool:
         assert 0 <= n <= min(self.slots[seq_id], len(tokens)), f"{seq_id!r}: {n} computed of {self.slots[seq_id]}"
 
     def fork(self, parent_id, child_id):
-        need = len(self._seq(parent_id))
-        self.tables[child_id] = list(range(self.outside, self.outside + need))
-        self.outside += need
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        self.tables[child_id] = list(self._seq(parent_id))
+        for b in self.tables[child_id]:
+            if b < self.num_blocks:
+                self.ref[b] += 1
         self.slots[child_id] = self.slots[parent_id]
 
     def free(self, seq_id):
@@ -114,8 +138,7 @@ class ToyPool:
         return self.slots[seq_id]
 
     def ref_counts(self):
-        used = {b for t in self.tables.values() for b in t}
-        return [int(b in used) for b in range(self.num_blocks)]
+        return list(self.ref)
 
     def cached_block_ids(self):
         return []
@@ -124,8 +147,9 @@ class ToyPool:
         if live_seq_ids is not None:
             assert set(live_seq_ids) == set(self.tables), \
                 f"sequences holding blocks {sorted(self.tables)}, running {sorted(live_seq_ids)}"
-        used = [b for t in self.tables.values() for b in t if b < self.num_blocks]
-        assert len(used) == len(set(used)) and not set(used) & set(self.stack), "a block in two places"
+        used = Counter(b for t in self.tables.values() for b in t if b < self.num_blocks)
+        assert [used[b] for b in range(self.num_blocks)] == self.ref, "ref counts differ from the tables"
+        assert not set(used) & set(self.stack), "a block both used and free"
         assert len(used) + len(self.stack) == self.num_blocks, "blocks lost"
         for sid, t in self.tables.items():
             assert len(t) == self.blocks_needed(self.slots[sid]), f"{sid!r}: {len(t)} blocks, {self.slots[sid]} slots"
@@ -165,7 +189,11 @@ class Harness:
             self.sched.add(s)
 
     def schedule(self):
+        done = len(self.pool.returned)
         out = self.sched.schedule()
+        assert sorted(out.cow_copies) == sorted(self.pool.returned[done:]), \
+            f"the allocator returned copy-on-write pairs {self.pool.returned[done:]} this step, out.cow_copies " \
+            f"holds {out.cow_copies}: the engine copies only those, so a block left out is read uncopied"
         assert out.num_batched_tokens <= self.budget, \
             f"{out.num_batched_tokens} tokens scheduled, the budget is {self.budget}"
         assert len(self.sched.running) <= self.max_num_seqs, \
@@ -346,6 +374,31 @@ def test_prefill_first_unadmits_the_newcomer_rather_than_preempt_an_older_sequen
     assert b.num_preemptions == 0 and h.pool.num_free_blocks == 0
 
 
+
+def test_an_unadmitted_newcomer_gives_its_budget_back():
+    # budget 9: C's prompt takes 8 of it at admission; A's next block is the one C took, so C is un-admitted, and
+    # the 8 tokens come back: A and B both decode (without them, B would be left out with budget to spare)
+    h = Harness(num_blocks=5, block_size=4, max_num_seqs=3, max_num_batched_tokens=9, order="prefill-first")
+    h.add(make(7, 6, 0, "A"), make(3, 8, 1, "B"))
+    assert h.step() == ([("A", 7, "prefill"), ("B", 2, "prefill")], [])
+    assert h.step() == ([("A", 1, "decode"), ("B", 1, "prefill")], [])
+    h.add(make(8, 2, 2, "C"))
+    assert h.step() == ([("A", 1, "decode"), ("B", 1, "decode")], [])
+    assert [s.seq_id for s in h.sched.waiting] == ["C"] and not h.pool.has_seq("C")
+
+
+def test_copy_on_write_pairs_reach_the_batch():
+    # n = 2: after the prompt, the child shares the parent's blocks; the first to write into the shared, partly
+    # filled block 1 gets a copy, and the pair must be in out.cow_copies (the engine copies only those)
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    s = make(6, 3, 0, "A")
+    s.num_forks_pending = 1
+    h.add(s)
+    assert h.step() == ([("A", 6, "prefill")], [])
+    out = h.schedule()
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("A", 1), ("A.1", 1)]
+    assert out.cow_copies == [(1, 2)], f"copy-on-write pairs {out.cow_copies}, the allocator returned [(1, 2)]"
+
 # -- the waiting queue ------------------------------------------------------------------------------------
 def test_the_head_of_the_queue_waits_and_nobody_overtakes_it():
     h = Harness(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
@@ -401,6 +454,10 @@ def test_static_batching_runs_on_your_scheduler():
        block_size=st.sampled_from([2, 4, 8]), num_blocks=st.integers(4, 24), max_num_seqs=st.integers(1, 4),
        budget=st.sampled_from([4, 8, 16, 64]), policy=st.sampled_from(["fcfs", "priority"]),
        order=st.sampled_from(["decode-first", "prefill-first"]), drafts=st.booleans(), cached=st.booleans())
+@example(reqs=[(7, 6, 0, 0, 1), (3, 8, 0, 0, 1), (8, 2, 0, 2, 1)], block_size=4, num_blocks=5, max_num_seqs=3,
+         budget=9, policy="fcfs", order="prefill-first", drafts=False, cached=False)     # a newcomer un-admitted
+@example(reqs=[(6, 3, 0, 0, 2), (5, 4, 1, 1, 2)], block_size=4, num_blocks=8, max_num_seqs=4, budget=16,
+         policy="priority", order="decode-first", drafts=False, cached=False)            # forks, copy-on-write
 def test_random_workloads_keep_the_invariants(reqs, block_size, num_blocks, max_num_seqs, budget, policy, order,
                                                drafts, cached):
     """Budget, seats, batch order (by importance), no one left out while budget is left, the queue's order,

@@ -29,7 +29,12 @@ def mask_of(parents) -> list:
     n = len(parents)
     assert tuple(got.shape) == (n, n), f"the mask of {n} nodes is [{n}, {n}], got {list(got.shape)}"
     assert got.dtype == torch.bool, f"the mask must be a torch.bool tensor (True: node i sees node j), got {got.dtype}"
-    return got.tolist()
+    rows = got.tolist()
+    got.logical_not_()                           # the caller owns its mask: changing it changes no later one
+    again = exercises.get("tree_mask.ancestor_mask")(list(parents))
+    assert again.tolist() == rows, "a second call returned the mask a first caller had changed: return a new " \
+                                   "tensor every call (one cached tensor is shared by every caller)"
+    return rows
 
 
 def positions_of(parents, context_len) -> list:
@@ -183,6 +188,9 @@ CASES = {
                                         [4, 9, 9, 6, 9, 8, 9, 9], [0, 3, 5, 7]),
     # the root's token equals the argmax at the root: it is not a draft, never compared
     "the_roots_own_token_is_not_compared": ([-1, 0, 0], [10, 11, 10], [10, 0, 0], [0, 2]),
+    # two siblings with the same token: the first is taken even when the second's branch would go deeper
+    "equal_siblings_the_first_even_when_a_later_goes_deeper": ([-1, 0, 0, 2], [9, 10, 10, 12], [10, 50, 12, 0],
+                                                                [0, 1]),
 }
 
 
@@ -191,6 +199,13 @@ def test_the_accepted_path(case):
     parents, tokens, argmax, want = CASES[case]
     assert oracle_path(parents, tokens, argmax) == want          # the case is what the rule says
     assert path_of(parents, tokens, argmax) == want, f"parents {parents}, tokens {tokens}, argmax {argmax}"
+
+
+def test_token_ids_are_compared_by_value():
+    # token ids past 256 (GPT-2's vocabulary runs to 50256): equal ids need not be the same Python object
+    parents, tokens, argmax, want = CASES["later_siblings_all_the_way_down"]
+    big = [int(str(t + 50000)) for t in tokens], [int(str(t + 50000)) for t in argmax]
+    assert path_of(parents, *big) == want, f"tokens {big[0]}, argmax {big[1]}: compare token ids with ==, not is"
 
 
 # -- random trees ----------------------------------------------------------------------------------------------
@@ -269,8 +284,11 @@ def test_random_trees_positions(parents, context_len):
 @example((STAR_64, list(range(64)), [63] + [0] * 63))
 def test_random_trees_accepted_path(case):
     parents, tokens, argmax = case
-    assert path_of(parents, tokens, argmax) == oracle_path(parents, tokens, argmax), \
-        f"parents {parents}, tokens {tokens}, argmax {argmax}"
+    want = oracle_path(parents, tokens, argmax)
+    assert path_of(parents, tokens, argmax) == want, f"parents {parents}, tokens {tokens}, argmax {argmax}"
+    far = [t + 1000 for t in tokens], [t + 1000 for t in argmax]      # ids past 256: new int objects each
+    assert path_of(parents, *far) == want, f"token ids past 256 (compare with ==, not is): parents {parents}, " \
+                                           f"tokens {far[0]}, argmax {far[1]}"
 
 
 # -- the engine on your functions --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import exercises
+from exercises.guarded import call
 
 pytest.importorskip("triton", reason="exercise 9 needs Triton (Linux)")
 pytestmark = pytest.mark.ex9
@@ -69,17 +70,15 @@ def dense(batch, scale):
 
 
 ARGS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
-
-
-def check(batch, scale, tol=1e-4):
+def check(batch, scale, tol=1e-4, inputs_unchanged=True):
     args = [batch[n] for n in ARGS]
-    before = [a.clone() for a in args]
-    got = exercises.get("paged_decode")(*args, scale)
+    before = [a.clone() for a in args] if inputs_unchanged else []
+    got = call(exercises.get("paged_decode"), *args, scale)
     query = batch["query"]
     assert isinstance(got, torch.Tensor) and got.shape == query.shape, \
         f"want out {tuple(query.shape)}, got {tuple(getattr(got, 'shape', ()))}"
     assert got.dtype == query.dtype, f"out must have the query's dtype {query.dtype}, got {got.dtype}"
-    for name, a, b in zip(ARGS, args, before):
+    for name, a, b in zip(ARGS, args, before):          # (a cache of 4 GiB is checked by its own test)
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
             f"the kernel changed its input {name}"
     nan = got.isnan()
@@ -143,3 +142,105 @@ def test_random_batches(seed):
     heads = rng.choice(list(HEADS))
     seq_lens = [rng.randrange(1, 33) for _ in range(rng.randrange(1, 4))]
     check(make_batch(seq_lens, rng.choice([4, 8, 16]), *HEADS[heads], 16, seed=10 + seed), rng.uniform(0.1, 1.0))
+
+
+# -- mistakes that the tests above cannot see ----------------------------------------------------------------
+def far_batch(block_size, H, Hkv, D, dtype, seq_lens, seed):
+    """Sequences whose blocks sit at the top of a cache of more than 2**32 elements: block * stride passes
+    2**32, which an int32 offset wraps to a small offset inside the cache (untouched: zeros), a wrong block
+    read every time (between 2**31 and 2**32 it would wrap to a negative address: a crash, or not). The
+    storage comes from torch.empty and only the blocks used are written, so the 8 GiB of float16 are address
+    space, not memory (on a GPU, memory)."""
+    g = torch.Generator().manual_seed(seed)
+    per = 2 * block_size * Hkv * D                            # K and V interleaved per block
+    num_blocks = 2 ** 32 // per + 16
+    storage = torch.empty(num_blocks, 2, block_size, Hkv, D, dtype=dtype, device=DEVICE)
+    n_blocks = [math.ceil(L / block_size) for L in seq_lens]
+    top = list(range(num_blocks - 1 - sum(n_blocks), num_blocks))
+    random.Random(seed).shuffle(top)
+    spare = top.pop()
+    storage[sorted(top + [spare])] = float("nan")              # the blocks used, and the padding's: NaN first
+    key_cache, value_cache = storage[:, 0], storage[:, 1]
+    block_tables = torch.full((len(seq_lens), max(n_blocks) + 1), spare, dtype=torch.int32)
+    keys, values = [], []
+    for b, L in enumerate(seq_lens):
+        block_tables[b, :n_blocks[b]] = torch.tensor([top.pop() for _ in range(n_blocks[b])], dtype=torch.int32)
+        k, v = (torch.randn(L, Hkv, D, generator=g).to(dtype) for _ in range(2))
+        pos = torch.arange(L)
+        phys = block_tables[b, pos // block_size].long().to(DEVICE)
+        key_cache[phys, (pos % block_size).to(DEVICE)] = k.to(DEVICE)
+        value_cache[phys, (pos % block_size).to(DEVICE)] = v.to(DEVICE)
+        keys.append(k)
+        values.append(v)
+    query = torch.randn(len(seq_lens), H, D, generator=g).to(dtype)
+    return dict(query=query.to(DEVICE), key_cache=key_cache, value_cache=value_cache,
+                block_tables=block_tables.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
+                                                                             device=DEVICE), keys=keys, values=values)
+
+
+@pytest.mark.parametrize("config", ["mha_block16", "gqa_block8"])
+def test_a_cache_past_two_to_the_32_elements(config):
+    # int32 block tables and a block id near 2**32 / (block elements): compute the offset in int64
+    block_size, H, Hkv = {"mha_block16": (16, 2, 2), "gqa_block8": (8, 4, 1)}[config]
+    batch = far_batch(block_size, H, Hkv, 16, torch.float16, [20, 7], seed=block_size)
+    check(batch, 0.25, tol=3e-3, inputs_unchanged=False)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+def test_every_score_far_below_zero(heads):
+    # each kv head's keys point away from its query heads: every score is about -900, and the softmax is still
+    # well defined. A running max that starts at 0 (not -inf) underflows every exp(s - m) to 0: out = 0 / 0
+    H, Hkv = HEADS[heads]
+    batch = make_batch([11, 26], 4, H, Hkv, 16, seed=20)
+    g = torch.Generator().manual_seed(21)
+    for b, K in enumerate(batch["keys"]):
+        u = torch.randn(Hkv, 16, generator=g)
+        u = u / u.norm(dim=-1, keepdim=True)                                     # [Hkv, D] unit directions
+        batch["query"][b] = (4 * u.repeat_interleave(H // Hkv, 0) + 0.1 * torch.randn(H, 16, generator=g)).to(DEVICE)
+        K.copy_(-6 * u + 0.3 * torch.randn(K.shape, generator=g))
+    check(restore(batch, 4), 40.0)
+
+
+@pytest.mark.parametrize("seqs", [[9, 30], [17]])
+def test_float16_products_that_overflow(seqs):
+    # entries near 80: q . k near 0.64 * 80 * 80 * 32 = 131072, past float16's 65504, although the scaled score
+    # (scale 1e-4) is small: compute q . k in float32
+    batch = make_batch(seqs, 8, 4, 2, 32, dtype=torch.float16, seed=30)
+    batch["query"] = (batch["query"].float().abs() * 80).half()
+    batch["keys"] = [(K.float().abs() * 80).half() for K in batch["keys"]]
+    check(restore(batch, 8), 1e-4, tol=3e-3)
+
+
+@pytest.mark.parametrize("layout", ["heads_outside", "separate_pools"])
+def test_a_value_cache_laid_out_unlike_the_key_cache(layout):
+    # V's strides are V's own: here the value cache is a [num_blocks, Hkv, block_size, D] buffer seen through
+    # a permuted view, or a pool of its own next to K's interleaved view
+    batch = make_batch([19, 6], 8, 4, 2, 16, seed=40)
+    v = batch["value_cache"]
+    if layout == "heads_outside":
+        batch["value_cache"] = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    else:
+        batch["value_cache"] = v.contiguous()
+    assert batch["value_cache"].stride() != batch["key_cache"].stride()
+    check(batch, 0.3)
+
+
+@pytest.mark.parametrize("D", [24, 12])
+def test_the_output_is_written_only_inside_out(D):
+    # a strided query (from a fused qkv) and a head_dim that is not a power of two: every store must land in
+    # out, at out's strides, lanes d < head_dim only (the guards around out are checked after the call)
+    batch = make_batch([10, 3, 21], 4, 4, 2, D, seed=D)
+    qkv = torch.randn(3, 3 * 4, D, generator=torch.Generator().manual_seed(D)).to(DEVICE)
+    batch["query"] = qkv[:, 8:12]
+    check(batch, D ** -0.5)
+
+
+def restore(batch, block_size):
+    """``batch`` with its caches rewritten from its (changed) keys and values, block tables kept."""
+    kc, vc = batch["key_cache"], batch["value_cache"]
+    for b, (K, V) in enumerate(zip(batch["keys"], batch["values"])):
+        pos = torch.arange(K.shape[0])
+        phys = batch["block_tables"][b, pos // block_size].long().to(kc.device)
+        kc[phys, (pos % block_size).to(kc.device)] = K.to(kc.device)
+        vc[phys, (pos % block_size).to(kc.device)] = V.to(kc.device)
+    return batch
