@@ -78,6 +78,7 @@ class EngineConfig:
                              f"scratch blocks written directly), which a head-split cache does not hold: use "
                              f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
         self._check_graphs()
+        check_num_threads(self.num_threads)
 
     def cost_model(self):
         """The simulated clock's CostModel (minibatch/perf/cost.py), or None without ``simulate``."""
@@ -103,7 +104,6 @@ class EngineConfig:
                 if b > self.max_num_seqs:
                     raise ValueError(f"cuda_graph_sizes holds {b}, over max_num_seqs={self.max_num_seqs}: "
                                      f"no decode batch is ever that large")
-        check_num_threads(self.num_threads)
 
     def num_blocks_for(self, n_ctx: int) -> int:
         """The pool's size: num_gpu_blocks, or enough for max_num_seqs sequences at full context."""
