@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+import exercises
 from minibatch import slides
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -36,7 +37,8 @@ def test_default_slide_types():
 @pytest.mark.parametrize("path", slides.notebook_paths(), ids=lambda p: p.name)
 def test_every_notebook_cell_has_a_slide_type(path):
     nb = json.loads(path.read_text(encoding="utf-8"))
-    missing = [i for i, c in enumerate(nb["cells"]) if "slide_type" not in c.get("metadata", {}).get("slideshow", {})]
+    missing = [i for i, c in enumerate(nb["cells"]) if "slide_type" not in c.get("metadata", {}).get("slideshow", {})
+               and "exercises.notebook" not in "".join(c["source"])]       # a student release's guard cell: skipped
     assert not missing, (f"{path.name}: cells {missing} have no slide type: run `python -m minibatch slides --stamp "
                          f"{path.name}` (or set them in JupyterLab's property inspector)")
     for i in range(len(nb["cells"])):
@@ -63,7 +65,8 @@ def test_a_deck_has_its_slides_figures_and_demo(deck):
     nb = json.loads(slides.notebook_paths(["02"])[0].read_text(encoding="utf-8"))
     new_slides = sum(slides.slide_type(nb["cells"], i) in ("slide", "subslide") for i in range(len(nb["cells"])))
     assert html.count("<section") >= new_slides + 1              # + the demo's slide
-    assert html.count("data:image/png;base64,") >= 3             # draw_blocks, three times: the notebook ran
+    if not exercises.REMOVED:          # in a student release an unfinished ex6 skips the cells that draw them
+        assert html.count("data:image/png;base64,") >= 3         # draw_blocks, three times: the notebook ran
     assert '<img alt="paged" src="demo/paged.gif"' in html and (out / "demo" / "paged.gif").exists()
     assert "02_paged_kv_cache.slides.html" in (out / "index.html").read_text(encoding="utf-8")
     assert not any("stopped early" in line for line in log), log
