@@ -25,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {"out", "build", "node_modules", "runs", "__pycache__"}
