@@ -56,6 +56,21 @@ TEST_TIMEOUT = 60.0      # seconds for one test
 COLLECT_TIMEOUT = 300.0  # seconds for the trusted collection
 MAX_OUTPUT = 2000        # characters of a failure kept in the report
 PLUGIN = "exercises._grade_plugin"
+# A part that needs a package some machines cannot install: (module, what to say). Where it is missing, the part
+# is not graded (it is left out of the total, and the report says why) instead of scoring 0.
+REQUIRES = {"ex9": ("triton", "needs Linux + Triton")}
+
+
+def unavailable(part: str) -> str:
+    """Why this machine cannot grade ``part`` ("" when it can): a package it needs does not import here."""
+    need = REQUIRES.get(part)
+    if need is None:
+        return ""
+    try:
+        importlib.import_module(need[0])
+    except ImportError as e:
+        return f"{need[1]}: not graded on this machine ({e})"
+    return ""
 
 
 class GradingError(RuntimeError):
@@ -77,6 +92,7 @@ class PartRun:
     problem: str = ""                                # why the part scores 0, "" when it ran to the end
     seconds: float = 0.0
     log: str = ""                                    # the tail of the session's output
+    not_graded: str = ""                             # why this machine cannot grade it (REQUIRES)
 
     @property
     def points(self) -> float:
@@ -314,6 +330,10 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
     total = max_total = 0.0
     parts = {}
     for r in runs:
+        if r.not_graded:                                 # left out of the total, and said so
+            lines.append(("{:<6}{:<%d}{:>16}   {}" % width).format(r.piece.part, r.piece.title, "-", r.not_graded))
+            parts[r.piece.part] = {"score": 0.0, "max_score": 0.0, "not_graded": r.not_graded}
+            continue
         n, got = len(r.expected), r.passed
         total, max_total = total + r.score, max_total + r.points
         note = "NOT GRADED, see below" if r.problem else f"{got} / {n}"
@@ -369,9 +389,14 @@ def grade(pieces: list, student_dir=None, part_timeout: float = PART_TIMEOUT, te
     """Collect (unless ``expected`` is given), then run each part in its own process; [PartRun] in exercise order."""
     with tempfile.TemporaryDirectory(prefix="minibatch-grade-") as tmp:
         tmp = Path(tmp)
-        expected = collect(pieces, tmp) if expected is None else expected
+        missing = {p.part: unavailable(p.part) for p in pieces}
+        gradable = [p for p in pieces if not missing[p.part]]
+        expected = collect(gradable, tmp) if expected is None and gradable else expected or {}
         runs = []
         for p in pieces:
+            if missing[p.part]:
+                runs.append(PartRun(p, [], not_graded=missing[p.part]))
+                continue
             run = run_part(p, expected.get(p.part, []), tmp, student_dir, part_timeout, test_timeout, memory_mb)
             if progress:
                 progress(run)

@@ -2,6 +2,7 @@
                  python -m minibatch generate "def fib(n):" --speculative eagle -k 4
                  python -m minibatch demo continuous --out demo.gif
                  python -m minibatch serve --port 8000      (OpenAI-compatible, like `vllm serve`)
+                 python -m minibatch slides --out out/slides (reveal.js decks of the notebooks)
 """
 from __future__ import annotations
 
@@ -98,11 +99,16 @@ def main(argv=None) -> int:
     s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) with a live view at /")
     from minibatch.serve.server import add_arguments    # argparse only; the server loads on use
     add_arguments(s)
+    sl = sub.add_parser("slides", help="reveal.js lecture decks of the notebooks, with their figures and demo animations")
+    from minibatch import slides
+    slides.add_arguments(sl)
     args = ap.parse_args(argv)
     try:
         threads.use_cli(args.threads)            # serve's --threads comes from add_arguments
         if args.cmd == "generate":
             return _generate(args)
+        if args.cmd == "slides":
+            return slides.main(args)
         if args.cmd == "serve":
             from minibatch.serve.server import serve
             return serve(args)

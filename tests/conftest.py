@@ -3,11 +3,23 @@
 Triton kernels run on the CPU through Triton's interpreter, which must be
 switched on *before* any kernel is decorated, that is before ``kernels`` is
 imported anywhere; so it is set here, at the top of the first file pytest loads.
+
+MINIBATCH_NO_TRITON=1 runs the tests as on a machine where Triton does not install (macOS, Windows):
+``import triton`` fails here and in every Python the tests start (tests/no_triton/sitecustomize.py), and the
+tests that need Triton (marker ``triton``, a "triton" backend parameter, the ``interpreter`` tests) are skipped,
+saying why.
 """
 import os
 import re
+import runpy
 
-import torch
+NO_TRITON = os.environ.get("MINIBATCH_NO_TRITON", "") not in ("", "0")
+if NO_TRITON:                             # before anything can import triton
+    _blocker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no_triton")
+    os.environ["PYTHONPATH"] = os.pathsep.join([_blocker] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    runpy.run_path(os.path.join(_blocker, "sitecustomize.py"))
+
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -35,9 +47,18 @@ def pytest_collection_modifyitems(config, items):
     marker, reason = ("interpreter", "feeds CPU tensors to Triton; CUDA is present, so the gpu tests run instead") \
         if HAS_CUDA else ("gpu", "needs a CUDA GPU")
     skip = pytest.mark.skip(reason=reason)
+    try:
+        import triton  # noqa: F401
+        why_not_triton = None
+    except ImportError as e:
+        why_not_triton = pytest.mark.skip(reason=f"needs Triton, which installs on Linux only ({e})")
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if why_not_triton and ("triton" in item.keywords or "interpreter" in item.keywords
+                               or any(isinstance(v, str) and v == "triton" for v in params.values())):
+            item.add_marker(why_not_triton)
 
 
 @pytest.hookimpl(hookwrapper=True)

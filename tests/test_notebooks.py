@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,19 @@ for i, cell in enumerate(nb["cells"]):
         sys.modules["matplotlib.pyplot"].close("all")
     print(f"[cell {i}: {time.perf_counter() - t:.2f} s]", flush=True)
 """
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:                   # macOS, Windows, or MINIBATCH_NO_TRITON=1 (tests/conftest.py)
+        return False
+
+
+def needs_triton(name) -> bool:
+    """A notebook that imports the Triton kernels (05): without Triton it stops at once, saying why."""
+    return any(re.search(r"^\s*import kernels|^\s*from kernels", c, re.M) for c in code_cells(load(name)))
 
 
 def load(name):
@@ -111,4 +125,9 @@ def test_notebook_runs(name):
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"")[-3000:]
         pytest.fail(f"{name} did not finish in {TIMEOUT_S} s; last output:\n{out}")
+    if needs_triton(name) and not _has_triton():
+        assert proc.returncode != 0 and "needs Triton, which installs on Linux only" in proc.stderr, \
+            f"{name} needs Triton; without it, its first code cell must stop the notebook saying why:\n{proc.stderr[-3000:]}"
+        assert "[cell " not in proc.stdout, f"{name} ran cells past the Triton check:\n{proc.stdout[-2000:]}"
+        return
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
