@@ -58,7 +58,7 @@ MAX_OUTPUT = 2000        # characters of a failure kept in the report
 PLUGIN = "exercises._grade_plugin"
 # A part that needs a package some machines cannot install: (module, what to say). Where it is missing, the part
 # is not graded (it is left out of the total, and the report says why) instead of scoring 0.
-REQUIRES = {"ex9": ("triton", "needs Linux + Triton")}
+REQUIRES = {"ex9": ("triton", "needs Linux + Triton"), "ex10": ("triton", "needs Linux + Triton")}
 
 
 def unavailable(part: str) -> str:
