@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     sl = sub.add_parser("slides", help="reveal.js lecture decks of the notebooks, with their figures and demo animations")
     from minibatch import slides
     slides.add_arguments(sl)
+    threads.add_argument(sl)
     args = ap.parse_args(argv)
     try:
         threads.use_cli(args.threads)            # serve's --threads comes from add_arguments
