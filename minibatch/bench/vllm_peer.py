@@ -173,7 +173,10 @@ def time_rows(args, peer: VLLMPeer, target, draft_dir) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["setup"]:
+    if argv[:1] == ["setup"]:                      # make (or check and reuse) vLLM's venv
+        import argparse
+        argparse.ArgumentParser(prog="python -m minibatch.bench.vllm_peer setup",
+                                description=vllm_venv.setup.__doc__).parse_args(argv[1:])
         return vllm_venv.setup()
     args = parse_args("python -m minibatch.bench vllm", __doc__.splitlines()[0], argv, ks=(4,))
     why = vllm_venv.problem()
