@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ import pytest
 from minibatch import LLM, SamplingParams
 from minibatch.serve import ServerThread
 from minibatch.serve.server import add_arguments, make_llm
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]       # this checkout, whatever an editable install points at
 
 
 def test_generate_with_tensor_parallel_size_2_prints_the_same_text(target_model):
@@ -47,3 +51,15 @@ def test_serve_disaggregated_answers_as_colocated(target_model):
         pools = srv.engine_loop.call(lambda e: e.pool_stats()).result(30)
         assert all(p["num_free_blocks"] == p["num_blocks"] for p in pools.values()) and len(pools) == 2
         assert srv.engine_loop.error is None
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size=2", "disaggregated=True"])
+def test_a_script_without_a_main_guard_gets_a_clear_error_at_once(tmp_path, option):
+    """Worker processes are spawned and import the main module again: a script that starts them at its top
+    level is told so as soon as a worker dies, instead of waiting out the group's timeout."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from minibatch import LLM\nLLM('target', device='cpu', {option})\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MINIBATCH_DIST_TIMEOUT": "100", "PYTHONPATH": str(ROOT)})
+    assert run.returncode != 0
+    assert 'guard its entry point with `if __name__ == "__main__":`' in run.stderr

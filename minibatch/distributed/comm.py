@@ -74,6 +74,36 @@ def spawn_context():
     return mp.get_context("spawn")
 
 
+SPAWN_HINT = ("a script that starts worker processes must guard its entry point with "
+              "`if __name__ == \"__main__\":` (they are spawned, and import the main module again), and the process's "
+              "own error is printed above")
+
+
+def init_watching(procs, names, rank: int, world_size: int, addr: str, port: int, device="cpu") -> None:
+    """``init`` as ``rank``, while watching the processes that must join too: one that exits first (a script
+    without a ``__main__`` guard, a crash while loading) is a clear error at once, not the group's timeout."""
+    import threading
+    failed = []
+
+    def join():
+        try:
+            init(rank, world_size, addr, port, device)
+        except Exception as e:                       # reported below, in the caller's thread
+            failed.append(e)
+    t = threading.Thread(target=join, daemon=True, name="minibatch-rendezvous")
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+        dead = [(n, p.exitcode) for n, p in zip(names, procs) if not p.is_alive()]
+        if dead and t.is_alive():
+            for p in procs:
+                p.kill()
+            who = ", ".join(f"{n} (exit code {c})" for n, c in dead)
+            raise RuntimeError(f"{who} exited before joining the process group: {SPAWN_HINT}")
+    if failed:
+        raise failed[0]
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -65,7 +65,10 @@ class DisaggregatedEngine:
         weakref.finalize(self, _stop, self._procs, self._ctl)
         waiting, deadline = set(INSTANCES), time.perf_counter() + 120
         while waiting:
-            self._alive()
+            dead = [f"the {n} instance (exit code {p.exitcode})" for n, p in self._procs.items() if not p.is_alive()]
+            if dead:
+                _stop(self._procs, self._ctl)
+                raise InstanceDied(f"{', '.join(dead)} exited before it was ready: {comm.SPAWN_HINT}")
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"the {' and '.join(sorted(waiting))} instance(s) did not start within 120 s")
             for name in list(waiting):

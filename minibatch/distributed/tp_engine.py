@@ -235,7 +235,8 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
     for p in procs:
         p.start()
     try:
-        comm.init(0, world, addr, port, model.device, timeout_s)
+        comm.init_watching(procs, [f"tensor-parallel worker rank {r}" for r in range(1, world)], 0, world, addr,
+                           port, model.device)
     except Exception:
         for p in procs:
             p.kill()
