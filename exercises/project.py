@@ -15,8 +15,9 @@ and every machine, where a shared machine's wall clock would rank students by th
 targets are the simulator's: a decode step there takes about 5 ms, so TPOT_SLO (6 ms) is missed by a request
 that is preempted or kept waiting behind prefills, and TTFT_SLO (80 ms) by one queued too long in a burst;
 tuned so that the engine's scheduler meets them for 65-80 % of the requests (seeds 1-3 and the hidden one)
-and an admit-first policy for fewer. ``python -m exercises.project --clock cpu`` (or ``CLOCK = "cpu"``) scores on each step's measured
-wall time instead, with the rougher CPU targets below (untuned; noisy, so the baseline runs twice beside yours).
+and an admit-first policy for fewer. ``python -m exercises.project --clock cpu`` (or ``CLOCK = "cpu"``)
+scores on each step's measured wall time instead, with the rougher CPU targets below (untuned; noisy, so the
+baseline runs twice beside yours).
 
 The workload is generated from a seed (``workload``): the practice seed ships; the grader's hidden one lives in
 ``exercises/project_hidden.py``, which a student release leaves out. Scoring runs in a child process of its
