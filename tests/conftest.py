@@ -11,12 +11,14 @@ saying why.
 """
 import os
 import re
+import sys
 import runpy
 
 NO_TRITON = os.environ.get("MINIBATCH_NO_TRITON", "") not in ("", "0")
 if NO_TRITON:                             # before anything can import triton
     _blocker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no_triton")
     os.environ["PYTHONPATH"] = os.pathsep.join([_blocker] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    os.environ["MINIBATCH_NO_TRITON_PREFIX"] = sys.prefix     # this environment's Pythons, not a peer's venv
     runpy.run_path(os.path.join(_blocker, "sitecustomize.py"))
 
 import torch  # noqa: E402
