@@ -24,6 +24,7 @@ gathers), so a transfer in flight loses nothing but the request; the decode inst
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import time
 import traceback
@@ -80,6 +81,7 @@ def _trace_hook(out, name, eng):
 
 def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_decode) -> None:
     torch.set_num_threads(1)
+    parent = os.getppid()
     comm.init(PREFILL_RANK, 2, addr, port, device)
     try:
         eng = _engine(model_cfg, state, engine_cfg, device)
@@ -92,6 +94,8 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
         def header(seq, shape, tr):
             return handoff_header(seq, goes_on.pop(seq.request_id), tr, shape)
         while True:
+            if os.getppid() != parent:            # the router is gone (killed): so is every request
+                return
             for msg in _drain(ctl, block=not eng.has_unfinished_requests()):
                 if msg[0] == "shutdown":
                     return
@@ -165,6 +169,7 @@ def admit_prefilled(eng, hdr: dict, kv: torch.Tensor) -> bool:
 
 def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from_prefill) -> None:
     torch.set_num_threads(1)
+    parent = os.getppid()
     comm.init(DECODE_RANK, 2, addr, port, device)
     try:
         eng = _engine(model_cfg, state, engine_cfg, device)
@@ -172,6 +177,8 @@ def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from
         out.put(("ready",))
         arrived, aborted = [], set()                       # (header, kv) received, not yet admitted
         while True:
+            if os.getppid() != parent:            # the router is gone (killed): so is every request
+                return
             idle = not eng.has_unfinished_requests() and not arrived
             for msg in _drain(ctl, block=False):
                 if msg[0] == "shutdown":
