@@ -126,7 +126,8 @@ def test_every_graded_test_carries_its_parts_marker(graded):
     rc, collected, _ = graded["collect"]
     assert rc == 0 and collected, "the collection of tests/exercises failed"
     parts = collected[-1]["parts"]
-    assert {p for p in parts.values()} == set(exercises.BY_PART), parts
+    from exercises.grade import unavailable          # parts this machine cannot grade (no Triton) collect nothing
+    assert {p for p in parts.values()} == {p for p in exercises.BY_PART if not unavailable(p)}, parts
     for nodeid, part in parts.items():
         assert f"/test_{part}_" in nodeid, f"{nodeid}: marker {part!r} (want exactly one, the file's part)"
 
