@@ -79,7 +79,8 @@ SPAWN_HINT = ("a script that starts worker processes must guard its entry point 
               "own error is printed above")
 
 
-def init_watching(procs, names, rank: int, world_size: int, addr: str, port: int, device="cpu") -> None:
+def init_watching(procs, names, rank: int, world_size: int, addr: str, port: int, device="cpu",
+                  timeout_s: float = None) -> None:
     """``init`` as ``rank``, while watching the processes that must join too: one that exits first (a script
     without a ``__main__`` guard, a crash while loading) is a clear error at once, not the group's timeout."""
     import threading
@@ -87,7 +88,7 @@ def init_watching(procs, names, rank: int, world_size: int, addr: str, port: int
 
     def join():
         try:
-            init(rank, world_size, addr, port, device)
+            init(rank, world_size, addr, port, device, timeout_s)
         except Exception as e:                       # reported below, in the caller's thread
             failed.append(e)
     t = threading.Thread(target=join, daemon=True, name="minibatch-rendezvous")

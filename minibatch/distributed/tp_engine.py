@@ -236,7 +236,7 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
         p.start()
     try:
         comm.init_watching(procs, [f"tensor-parallel worker rank {r}" for r in range(1, world)], 0, world, addr,
-                           port, model.device)
+                           port, model.device, timeout_s)      # the workers' timeout, rank 0's too
     except Exception:
         for p in procs:
             p.kill()
