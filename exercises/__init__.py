@@ -68,7 +68,7 @@ PIECES = {p.name: p for p in (
     Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv.kv_cache", "slot mapping"),
     Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends",
           "paged attention", ref_func="paged_attention_loop"),
-    Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.engine.sampler", "top-k / top-p",
+    Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampling.sampler", "top-k / top-p",
           helpers=("top_k_top_p_batched",)),
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
           "rejection sampler", helpers=("rejection_sample_batched",)),
@@ -76,7 +76,7 @@ PIECES = {p.name: p for p in (
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),
     Piece("scheduler", "ex7", "ex7_scheduler", "Scheduler", "minibatch.engine.scheduler", "scheduler step"),
-    Piece("tree_mask", "ex8", "ex8_tree_mask", "ancestor_mask", "minibatch.spec_decode.tree",
+    Piece("tree_mask", "ex8", "ex8_tree_mask", "ancestor_mask", "minibatch.kv.tree",
           "tree mask and positions", also=("positions", "greedy_path")),
     # the Triton warm-up comes before the decode kernel (numbered 10 so the earlier numbers stay): PIECES' order
     # is the exercises' order everywhere (the grade table, a release)
@@ -99,16 +99,16 @@ def in_order(names) -> list:
 # so patching minibatch.kv.kv_cache alone would not reach the call in AttentionMetadata.build).
 # (module, attribute) holds the piece's ``func``; (module, attribute, function) one of its ``also``.
 CALL_SITES = {
-    "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.attention", "_slot_mapping")],
+    "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.metadata", "_slot_mapping")],
     "paged_attention": [("minibatch.kv.backends", "paged_attention_loop")],     # the "loop" backend
-    "top_k_top_p": [("minibatch.engine.sampler", "apply_top_k_top_p")],            # called by probabilities()
+    "top_k_top_p": [("minibatch.sampling.sampler", "apply_top_k_top_p")],            # called by probabilities()
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
     # the engine reads these as tree.<name> at each call (attention.py, model_runner.py), and tree.mask_bits
     # calls ancestor_mask, so rebinding them in the tree module reaches every use
-    "tree_mask": [("minibatch.spec_decode.tree", "ancestor_mask"),
-                  ("minibatch.spec_decode.tree", "positions", "positions"),
-                  ("minibatch.spec_decode.tree", "greedy_path", "greedy_path")],
+    "tree_mask": [("minibatch.kv.tree", "ancestor_mask"),
+                  ("minibatch.kv.tree", "positions", "positions"),
+                  ("minibatch.kv.tree", "greedy_path", "greedy_path")],
     "paged_decode": [("kernels.paged_decode", "paged_decode"), ("kernels", "paged_decode")],
     "triton_warmup": [],                # puzzles: nothing in the engine calls them
     # classes: the engine builds its allocator and its continuous scheduler from these names

@@ -4,7 +4,7 @@ Sec. 3 and 4.1; Medusa, Cai et al. 2024, Sec. 2.1.2; EAGLE-2, Li et al. 2024).
 A chain of k drafts throws the drafter's second-best guesses away: when draft 1 is wrong, drafts 2..k go
 with it. A **token tree** keeps several candidates at each depth, and the target model verifies all of
 them in one forward. It keeps the longest accepted root-to-leaf path. Read
-``minibatch/spec_decode/tree.py``'s module docstring first.
+``minibatch/kv/tree.py``'s module docstring first.
 
 One sequence's tree is a **parent list**, and nothing else is needed to verify it:
 
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.spec_decode.tree import children  # noqa: F401  (given: children(parents)[i], node i's children in node order)
+from minibatch.kv.tree import children  # noqa: F401  (given: children(parents)[i], node i's children in node order)
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

@@ -324,7 +324,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     included, already stored) is seq_lens[b] tokens, found through
     block_tables[b]. max_query_len, if given, must be >= every q_len.
     tree_bits [T] int64, if given: row t sees this step's token i only if bit i is set
-    (a token tree's mask, ``minibatch/spec_decode/tree.py``'s mask_bits; -1 = causal).
+    (a token tree's mask, ``minibatch/kv/tree.py``'s mask_bits; -1 = causal).
     """
     max_q = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
                                query_start_loc, scale, max_query_len, tree_bits=tree_bits)

@@ -35,12 +35,12 @@ if (_ROOT / "kernels" / "__init__.py").exists():
         warnings.warn(f"a foreign `kernels` package ({getattr(_k, '__file__', _k)}) was imported before minibatch; "
                       f"import minibatch first to get this repository's kernels/ ({_ROOT / 'kernels'})", stacklevel=2)
 
-from minibatch.engine.sampler import SamplingParams  # noqa: E402
+from minibatch.sampling.sampler import SamplingParams  # noqa: E402
 
 
 def __getattr__(name):                    # lazy: `import minibatch` stays cheap and import-cycle free
     if name == "LLM":
-        from minibatch.engine.llm import LLM
+        from minibatch.llm import LLM
         return LLM
     if name == "LLMEngine":
         from minibatch.engine.engine import LLMEngine

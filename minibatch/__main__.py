@@ -13,8 +13,8 @@ import time
 
 
 def _generate(args) -> int:
-    from minibatch.engine.llm import LLM
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.llm import LLM
+    from minibatch.sampling.sampler import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
@@ -46,11 +46,11 @@ def _generate(args) -> int:
 
 
 def _generate_without_the_engine(args, params, why) -> int:
-    """The same model, one request, a contiguous KV cache (minibatch/model/reference.py): no serving engine."""
-    from minibatch.model.reference import generate_with_cache
+    """The same model, one request, a contiguous KV cache (minibatch/sampling/reference.py): no serving engine."""
+    from minibatch.sampling.reference import generate_with_cache
     from minibatch.model.tokenizer import decode, encode
     from minibatch.model.weights import load_model
-    print(f"# the serving engine cannot run yet: {why}\n# generating without it (minibatch/model/reference.py: "
+    print(f"# the serving engine cannot run yet: {why}\n# generating without it (minibatch/sampling/reference.py: "
           f"one request, a contiguous KV cache)", file=sys.stderr)
     model = load_model(args.preset, device=args.device)
     t = time.perf_counter()
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
     g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
-    from minibatch.spec_decode.proposer import METHODS
+    from minibatch.spec_decode.config import METHODS
     g.add_argument("--speculative", choices=METHODS, default=None,
                    help="speculative decoding with this method and -k drafts a step")
     g.add_argument("-k", type=int, default=3, help="speculative tokens per step")

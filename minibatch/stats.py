@@ -32,8 +32,26 @@ GPU and a model we do not have). Every figure with seconds in it takes the clock
 """
 from __future__ import annotations
 
+import numpy as np
+
+from minibatch.kv.tree import judged_depths
 from minibatch.spec_decode.stats import SpecStats
-from minibatch.spec_decode.tree import judged_depths
+
+
+def percentiles(xs, ps=(50, 90, 99)) -> dict:
+    """{"p50": ..., "p90": ..., "p99": ...} of the numbers xs (linear interpolation, numpy's default).
+
+    An empty xs gives None for every percentile: there is nothing to report, which is not 0.
+    """
+    xs = list(xs)
+    if any(x is None for x in xs):
+        raise ValueError("percentiles got None values; leave out the requests that have no value")
+    if any(not 0 <= p <= 100 for p in ps):
+        raise ValueError(f"percentiles must lie in [0, 100], got {list(ps)}")
+    if not xs:
+        return {f"p{p:g}": None for p in ps}
+    vals = np.percentile(np.asarray(xs, dtype=float), list(ps))
+    return {f"p{p:g}": float(v) for p, v in zip(ps, vals)}
 
 
 def _mean(xs) -> float | None:
@@ -93,7 +111,6 @@ def request_stats(traces, clock: str = "wall", arrivals: dict | None = None, slo
 
     arrivals: request id -> arrival on the same clock (seconds since the engine started; missing: 0, an
     offline run). slo: {"ttft": s, "tpot": s} for goodput and SLO attainment."""
-    from minibatch.bench.metrics import percentiles          # the one percentile definition
     traces, arrivals = list(traces), dict(arrivals or {})
     reqs, times = per_request(traces, clock, arrivals), step_times(traces, clock)
     done = [r for r in reqs.values() if r["finished"]]

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from minibatch.spec_decode.tree import depths
+from minibatch.kv.tree import depths
 
 PHASES = ("prefill", "decode", "resumed")
 
@@ -44,7 +44,7 @@ class SeqStep:
     new_token_ids: list = field(default_factory=list)   # tokens appended this step (may be empty mid-prefill)
     draft_token_ids: list = field(default_factory=list) # the drafts verified this step (the first `accepted` kept)
     draft_parents: list = field(default_factory=list)   # a token tree: parents of [root] + drafts ([] = a chain;
-                                                        # spec_decode/tree.py), so draft i is node i + 1
+                                                        # kv/tree.py), so draft i is node i + 1
     accepted_path: list = field(default_factory=list)   # a tree: the accepted nodes [0, c1, ..., c_accepted]
     root_token_id: Optional[int] = None                 # drafts verified: the token before them (a tree's root,
                                                         # node 0: the last accepted token; None without drafts)
@@ -83,8 +83,8 @@ class StepTrace:
     simulated_time: Optional[float] = None     # EngineConfig.simulate: the simulated clock at the step's start (s)
     simulated_duration: Optional[float] = None # ... and the step's duration on it (minibatch/perf/cost.py)
     cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
-                                               # ``duration`` without the waits of a shared machine (perf/validate.py)
-    instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (distributed/disagg.py)
+                                               # ``duration`` without the waits of a shared machine (bench/validate.py)
+    instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (disagg/instance.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from minibatch.engine.sampler import make_generator
+from minibatch.sampling.sampler import make_generator
 from minibatch.spec_decode.rejection_sampler import rejection_sample, rejection_sample_batched
 
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-import minibatch.engine.sampler as sampler_mod
-from minibatch.engine.sampler import Sampler, SamplingParams, apply_top_k_top_p, make_generator, probabilities
-from minibatch.engine.sampler import top_k_top_p_batched
+import minibatch.sampling.sampler as sampler_mod
+from minibatch.sampling.sampler import Sampler, SamplingParams, apply_top_k_top_p, make_generator, probabilities
+from minibatch.sampling.sampler import top_k_top_p_batched
 
 
 def test_batched_filter_keeps_the_references_sets():

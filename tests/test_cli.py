@@ -7,7 +7,7 @@ import re
 import pytest
 
 from minibatch.__main__ import main
-from minibatch.spec_decode.proposer import METHODS
+from minibatch.spec_decode.config import METHODS
 
 PROMPT = "    def __init__(self, name):\n        self.name = name\n        self."
 

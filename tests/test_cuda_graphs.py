@@ -60,7 +60,7 @@ def test_replay_without_capture_equals_the_plain_path_on_triton(target_model):
 def test_the_graph_path_applies_controls_grammars_and_logprobs(target_model):
     """A replayed decode step goes through the same processing as an eager one: the requests' sampling controls,
     a grammar's mask, and the logprobs they ask for (the graph path once skipped them, silently)."""
-    from minibatch.structured.params import StructuredOutputsParams
+    from minibatch.sampling.structured.params import StructuredOutputsParams
     prompts, _ = workload(4, seeded=False)
     params = [SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.8, logprobs=2),
               SamplingParams(temperature=0, max_tokens=8, logit_bias={32: -100.0, 10: -100.0}),

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (minibatch/distributed/disagg.py): two real engine processes, K/V over gloo.
+"""Disaggregated prefill/decode (minibatch/disagg/instance.py): two real engine processes, K/V over gloo.
 
 One pair of instances serves every case here (each start costs two fresh interpreters on 2 cores)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minibatch import LLM, SamplingParams
-from minibatch.distributed.disagg import InstanceDied
+from minibatch.disagg.instance import InstanceDied
 from minibatch.distributed.kv_transfer import transfer_bytes
 from minibatch.trace import TraceRecorder
 
@@ -102,10 +102,10 @@ def _drawn(rec, transfers, tmp_path):
 
 
 def test_the_simulated_pair_decodes_what_one_engine_does_and_pays_the_transfer(target_model):
-    """distributed/sim.py: two in-process engines on one simulated clock; same tokens as a colocated engine,
+    """disagg/sim.py: two in-process engines on one simulated clock; same tokens as a colocated engine,
     and no first decode step before its transfer could have crossed the interconnect."""
     from minibatch.bench.workload import make_workload
-    from minibatch.distributed.sim import run_disaggregated_simulated
+    from minibatch.disagg.sim import run_disaggregated_simulated
     from minibatch.perf.cost import CostModel
     wl = make_workload("longtail", num_requests=6, seed=1, arrival="poisson", rate=50.0, prompt_len=(40, 120))
     traces, arrivals = run_disaggregated_simulated(target_model, wl, "h100:llama-3-8b", max_num_seqs=4)

@@ -307,7 +307,7 @@ def option_problems() -> list:
     from minibatch.engine.request_queue import POLICIES
     from minibatch.engine.scheduler import ORDERS
     from minibatch.kv.attention import BACKENDS
-    from minibatch.spec_decode.proposer import KEYS, METHODS, TREE_KINDS
+    from minibatch.spec_decode.config import KEYS, METHODS, TREE_KINDS
     from minibatch.spec_decode.typical import ACCEPTANCE
     q = r"""["']"""
     rules = [                               # (what, pattern whose group 1 is the name, the names accepted)
@@ -350,7 +350,7 @@ def test_the_checker_finds_stale_text(tmp_path, monkeypatch):
              "minibatch.speculative.rejection_sample, speculative_config={\"method\": \"medusa2\", \"k\": 3}, "
              "see 12_missing.ipynb\n```\npython -m minibatch demo paged --frames 3\n"
              "python -m minibatch.bench speculative --kv-reuse sometimes\npython -m minibatch sing\n```")
-    good = "`minibatch/kv/kv_cache.py`, `minibatch.model.reference.generate`, attention_backend=\"batched\""
+    good = "`minibatch/kv/kv_cache.py`, `minibatch.sampling.reference.generate`, attention_backend=\"batched\""
     monkeypatch.setattr(sys.modules[__name__], "DOCS", [("stale.md", ROOT, stale), ("good.md", ROOT, good)])
     found = path_problems() + dotted_problems() + option_problems()
     for expected in ["stale.md: path `minibatch/model.py`", "stale.md: path `minibatch/kv_cache.py`",

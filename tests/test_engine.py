@@ -4,7 +4,7 @@ import torch
 
 from minibatch import LLM, SamplingParams
 from minibatch.model.data import val_documents
-from minibatch.model.reference import generate
+from minibatch.sampling.reference import generate
 from minibatch.trace import TraceRecorder
 
 LENGTHS = [(5, 30), (37, 24), (64, 40), (100, 16), (23, 33), (70, 28)]   # (prompt bytes, max_tokens)

@@ -168,14 +168,14 @@ def test_mutant_fails_a_graded_test(graded, mutant):
 
 def test_switch_selects_per_piece(monkeypatch):
     import minibatch.kv.kv_cache
-    import minibatch.engine.sampler
+    import minibatch.sampling.sampler
     monkeypatch.delenv("MINIBATCH_STUDENT_DIR", raising=False)
     monkeypatch.delenv("MINIBATCH_STUDENT", raising=False)
     assert exercises.get("slot_mapping") is minibatch.kv.kv_cache.slot_mapping
     monkeypatch.setenv("MINIBATCH_STUDENT", " ex1, top_k_top_p ")
     assert exercises.selected() == {"slot_mapping", "top_k_top_p"}
     assert exercises.get("slot_mapping").__module__.endswith("ex1_slot_mapping")
-    assert exercises.get("ex3") is not minibatch.engine.sampler.apply_top_k_top_p
+    assert exercises.get("ex3") is not minibatch.sampling.sampler.apply_top_k_top_p
     assert exercises.get("ngram") is exercises.reference("ngram")
     monkeypatch.setenv("MINIBATCH_STUDENT", "ALL")
     assert exercises.selected() == set(exercises.PIECES)
@@ -194,7 +194,7 @@ def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
 def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.engine.engine as engine
     import minibatch.engine.model_runner as model_runner
-    import minibatch.engine.sampler as sampler
+    import minibatch.sampling.sampler as sampler
     import minibatch.engine.scheduler as scheduler
     import minibatch.kv.attention as attention
     import minibatch.kv.backends as backends
@@ -203,7 +203,7 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.spec_decode.draft_model as draft_model
     import minibatch.spec_decode.ngram as ngram
     import minibatch.spec_decode.rejection_sampler as speculative
-    import minibatch.spec_decode.tree as tree
+    import minibatch.kv.tree as tree
     sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (backends, "paged_attention_loop"),
              (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"),
              (model_runner, "rejection_sample"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
@@ -259,7 +259,7 @@ def test_patch_engine_runs_tree_speculation_on_the_students_functions(monkeypatc
     """ex8: EAGLE-2's dynamic trees verified on the student's mask, positions and accepted path (each called, from
     the metadata, the head's passes and the verify): the same greedy text; undo puts the reference back."""
     from minibatch import LLM, SamplingParams
-    from minibatch.spec_decode import tree
+    from minibatch.kv import tree
     spec = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 6, "depth": 3, "topk": 2}
 
     def generate():
@@ -281,7 +281,7 @@ def test_patch_engine_runs_tree_speculation_on_the_students_functions(monkeypatc
 
 
 def test_a_piece_of_several_functions_names_each(monkeypatch):
-    from minibatch.spec_decode import tree
+    from minibatch.kv import tree
     monkeypatch.delenv("MINIBATCH_STUDENT", raising=False)
     assert exercises.get("tree_mask") is tree.ancestor_mask
     assert exercises.get("ex8.greedy_path") is exercises.reference("tree_mask.greedy_path") is tree.greedy_path

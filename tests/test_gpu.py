@@ -5,7 +5,7 @@ broken import shows in CI. ``python -m minibatch.bench gpu-check`` runs them on 
 
 - Greedy output of the engine on CUDA, for each attention backend ("loop", "batched", "triton"), with CUDA
   graphs (the default on CUDA) and without (``enforce_eager=True``, vLLM's switch), equals the no-cache oracle
-  (``minibatch/model/reference.py``) run on the CPU, token for token: plain decoding, every speculation method
+  (``minibatch/sampling/reference.py``) run on the CPU, token for token: plain decoding, every speculation method
   (draft, ngram, medusa, eagle, early_exit) and both token trees (Medusa's static, EAGLE's dynamic).
 - The kernels at fp16 and bf16 against the torch backend ("batched") on the same paged cache: a mixed batch
   (decode, prefill, chunk, verify, idle), a token tree, and the pure-decode kernel (flash_decode) at long
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.model.reference import generate
+from minibatch.sampling.reference import generate
 from minibatch.model.weights import WEIGHTS_DIR, load_model
 
 

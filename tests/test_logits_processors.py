@@ -1,4 +1,4 @@
-"""Sampling controls (engine/logits_processors.py): the batched version equals the per-row reference; a verify
+"""Sampling controls (sampling/logits_processors.py): the batched version equals the per-row reference; a verify
 row counts the drafts before it; greedy output equals a slow oracle with and without speculation; sampled output
 under the controls keeps its exact distribution under speculation (chi-square); stop_token_ids and min_tokens."""
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.engine.logits_processors import apply_logits_processors, process_row_reference, process_rows
+from minibatch.sampling.logits_processors import apply_logits_processors, process_row_reference, process_rows
 from minibatch.engine.scheduler import ScheduledSeq
 from minibatch.engine.sequence import Request, Sequence
 from minibatch.model.model import forward_sequences

@@ -1,4 +1,4 @@
-"""Logprobs (engine/logprobs.py), checked against the no-cache oracle: a full forward over the sequence so far,
+"""Logprobs (sampling/logprobs.py), checked against the no-cache oracle: a full forward over the sequence so far,
 the reference controls, the temperature, log_softmax. Output logprobs with and without speculation (a verified
 token's comes from the target's row, never the draft's), with n > 1 and a stop string; prompt logprobs with
 chunked prefill and prefix-cache hits; and the server's OpenAI shapes (echo, max_tokens 0, streaming, 400s)."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.engine.logits_processors import process_row_reference
-from minibatch.engine.logprobs import Logprob
+from minibatch.sampling.logits_processors import process_row_reference
+from minibatch.sampling.logprobs import Logprob
 from minibatch.model.model import forward_sequences
 from minibatch.serve import ServerThread
 

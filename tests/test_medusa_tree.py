@@ -61,7 +61,7 @@ def test_choose_refuses_more_nodes_than_seen():
 def test_the_shipped_trees_belong_to_the_shipped_heads_and_beat_the_chain():
     doc = json.loads(medusa_tree.TREE_FILE.read_text())
     assert doc["medusa_sha256"] == read_manifest("medusa")["sha256"], \
-        "the trees were measured on other heads: rerun python -m minibatch.spec_decode.medusa_tree"
+        "the trees were measured on other heads: rerun python -m minibatch.bench.medusa_tree"
     heads = read_manifest("medusa")["config"]["num_heads"]
     assert sorted(map(int, doc["trees"])) == list(medusa_tree.SIZES)
     taus = []

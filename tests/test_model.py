@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 from minibatch.model import tokenizer
 from minibatch.model.data import load_corpus
 from minibatch.model.model import GPT, DenseAttention, GPTConfig, forward_sequences, get_config
-from minibatch.model.reference import ContiguousKVAttention, generate, generate_with_cache
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.reference import ContiguousKVAttention, generate, generate_with_cache
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.model.weights import ChecksumError, WEIGHTS_DIR, load_model, read_manifest
 
 

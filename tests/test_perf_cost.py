@@ -105,7 +105,7 @@ def test_bad_specs_name_the_choices():
 
 
 def test_validation_classifies_steps_and_measures_relative_error():
-    from minibatch.perf.validate import errors, format_errors, step_kind
+    from minibatch.bench.validate import errors, format_errors, step_kind
     d, p = trace([(1, 5), (1, 7)]), trace([(8, 0)], phase="prefill")
     mixed = trace([(1, 5)])
     mixed.scheduled += trace([(8, 0)], phase="prefill").scheduled

@@ -6,8 +6,8 @@ import pytest
 
 from minibatch.bench.metrics import fcfs_bound, fcfs_schedule_steps, format_table, static_steps, summarize
 from minibatch.engine.config import EngineConfig
-from minibatch.engine.llm import LLM
-from minibatch.engine.sampler import SamplingParams
+from minibatch.llm import LLM
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.perf.cost import CostModel
 from minibatch.perf.hardware import PROFILES, HardwareProfile, load_profile, save_profile
 from minibatch.perf.models import get_model
@@ -122,7 +122,7 @@ def test_calibration_file_round_trip(tmp_path):
 
 
 def test_calibrate_measures_this_machine():
-    from minibatch.perf.calibrate import calibrate
+    from minibatch.bench.calibrate import calibrate
     prof = calibrate(fit=False)
     assert prof.peak_flops["fp32"] > 1e8 and prof.mem_bandwidth > 1e8 and 0 < prof.launch_overhead < 1e-3
 

@@ -179,18 +179,18 @@ def test_a_re_export_of_the_engines_name_is_not_the_reference(built, tmp_path):
     student.mkdir()
     for p in exercises.PIECES.values():
         shutil.copy(out / "exercises" / f"{p.stem}.py", student)
-    (student / "ex3_top_k_top_p.py").write_text("from minibatch.engine.sampler import apply_top_k_top_p  # noqa\n")
+    (student / "ex3_top_k_top_p.py").write_text("from minibatch.sampling.sampler import apply_top_k_top_p  # noqa\n")
     (student / "ex6_block_allocator.py").write_text("from minibatch.kv.block_allocator import BlockAllocator  # noqa\n")
     (student / "ex8_tree_mask.py").write_text(          # a piece of several functions: each stand-in says so
-        "from minibatch.spec_decode.tree import ancestor_mask, greedy_path, positions  # noqa\n")
+        "from minibatch.kv.tree import ancestor_mask, greedy_path, positions  # noqa\n")
     rep = grade(out, tmp_path, "--student-dir", str(student), "--parts", "ex3,ex6,ex8")
     for part in ("ex3", "ex6", "ex8"):
         assert rep["extra_data"]["parts"][part]["score"] == 0, part
     outputs = "\n".join(t["output"] for t in rep["tests"])
-    assert "hands the call back to minibatch.engine.sampler.apply_top_k_top_p" in outputs
+    assert "hands the call back to minibatch.sampling.sampler.apply_top_k_top_p" in outputs
     assert "hands back minibatch.kv.block_allocator.BlockAllocator" in outputs
     for name in ("ancestor_mask", "positions", "greedy_path"):
-        assert f"hands the call back to minibatch.spec_decode.tree.{name}" in outputs, name
+        assert f"hands the call back to minibatch.kv.tree.{name}" in outputs, name
 
 
 def _pytest_outcome(p: subprocess.CompletedProcess) -> str:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minibatch.engine.sampler import Sampler, SamplingParams, apply_top_k_top_p, make_generator, probabilities
+from minibatch.sampling.sampler import Sampler, SamplingParams, apply_top_k_top_p, make_generator, probabilities
 
 
 def kept(logits, k=-1, p=1.0):

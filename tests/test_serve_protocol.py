@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from minibatch.engine.sampler import find_stop
+from minibatch.sampling.sampler import find_stop
 from minibatch.model.tokenizer import decode, encode
 from minibatch.serve.protocol import CompletionRequest, TextDelta, validation_message
 

@@ -4,7 +4,7 @@ import torch
 
 from minibatch import LLM, SamplingParams
 from minibatch.model.model import GPT, GPTConfig
-from minibatch.model.reference import generate
+from minibatch.sampling.reference import generate
 from minibatch.trace import TraceRecorder
 from test_engine import MAX_TOKENS, PROMPTS
 

@@ -14,7 +14,7 @@ import torch
 import minibatch.engine.model_runner as model_runner
 from minibatch import LLM, SamplingParams
 from minibatch.model.model import forward_sequences
-from minibatch.model.reference import generate
+from minibatch.sampling.reference import generate
 from minibatch.model.weights import WEIGHTS_DIR
 from minibatch.spec_decode import rejection_sampler
 from minibatch.trace import TraceRecorder

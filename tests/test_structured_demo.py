@@ -2,7 +2,7 @@
 import pytest
 
 from minibatch.bench.demo import run_demo
-from minibatch.structured.demo import WORKLOAD, record
+from minibatch.bench.structured_demo import WORKLOAD, record
 from minibatch.viz.structured import mask_image
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.model.reference import generate, next_logits
+from minibatch.sampling.reference import generate, next_logits
 from minibatch.model.tokenizer import encode
 from minibatch.model.weights import WEIGHTS_DIR
-from minibatch.structured import StructuredOutputsParams
-from minibatch.structured.reference import constrained_generate
-from minibatch.structured.teaching import DFA, TeachingMatcher
+from minibatch.sampling.structured import StructuredOutputsParams
+from minibatch.sampling.structured.reference import constrained_generate
+from minibatch.sampling.structured.teaching import DFA, TeachingMatcher
 from test_engine import run as run_engine
 from test_spec_methods import chi_square
 

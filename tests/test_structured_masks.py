@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minibatch.structured.backend import LLGuidanceMatcher, compile_grammar
-from minibatch.structured.matcher import advance, row_masks
-from minibatch.structured.teaching import DFA, TeachingMatcher, parse
+from minibatch.sampling.structured.backend import LLGuidanceMatcher, compile_grammar
+from minibatch.sampling.structured.matcher import advance, row_masks
+from minibatch.sampling.structured.teaching import DFA, TeachingMatcher, parse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ import torch
 from minibatch.kv import backends
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.kv_cache import KVCache
-from minibatch.spec_decode import tree
+from minibatch.kv import tree
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from minibatch import LLM, SamplingParams
-from minibatch.model.reference import generate
+from minibatch.sampling.reference import generate
 from minibatch.model.weights import WEIGHTS_DIR, read_manifest
 
 HAVE = {m: (WEIGHTS_DIR / f"{m}.safetensors").exists() for m in ("medusa", "eagle")}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from minibatch.spec_decode import tree
+from minibatch.kv import tree
 from minibatch.spec_decode.rejection_sampler import tree_rejection_sample
 from test_spec_methods import chi_square
 

@@ -14,7 +14,7 @@ import torch
 
 from minibatch import LLM, SamplingParams
 from minibatch.model.weights import WEIGHTS_DIR
-from minibatch.spec_decode.tree import depths as tree_depths
+from minibatch.kv.tree import depths as tree_depths
 from minibatch.stats import spec_stats
 from minibatch.trace import TraceRecorder
 from test_engine import PROMPTS

@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 
 from minibatch import viz  # noqa: E402
-from minibatch.spec_decode import tree  # noqa: E402
+from minibatch.kv import tree  # noqa: E402
 from minibatch.trace import TraceRecorder  # noqa: E402
 from minibatch.viz.common import PHASE_COLORS, SPEC_TARGET_COLOR, TraceError  # noqa: E402
 from minibatch.viz.tree_data import tree_rows  # noqa: E402

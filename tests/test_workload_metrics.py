@@ -5,7 +5,7 @@ import pytest
 from minibatch.engine.outputs import RequestMetrics
 from minibatch.bench.metrics import (add_ratio_row, critical_path_bound, format_table, percentiles, slot_bound,
                                      summarize)
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import SeqStep, StepTrace
 from minibatch.bench.workload import PREAMBLE, WORKLOADS, WorkloadRequest, describe, make_workload
 

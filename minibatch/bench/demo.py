@@ -33,7 +33,8 @@ import pathlib
 
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.engine import LLMEngine
-from minibatch.engine.sampler import SamplingParams
+from minibatch.bench.workload import PROMPTS
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
 SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "structured", "disaggregated")
@@ -43,11 +44,6 @@ TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5
 # Greedy continuations the EAGLE head half knows: paths of 1 to 5 drafts, often through a later sibling.
 TREE_PROMPTS = ["try:\n    import json\n", "for i in range(", "# Copyright 2001\n", "class Stack:\n    def push(self"]
 
-# Short code prompts; their greedy continuations are predictable enough for a draft to guess.
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
-           "for i in range(10):\n", "def read_file(path):\n", "if __name__ == '__main__':\n",
-           "try:\n    import json\n", "def __repr__(self):\n", "with open(path) as f:\n",
-           "    def close(self):\n", "# Copyright 2001\n", "def main(argv=None):\n"]
 
 
 def _drive(engine: LLMEngine, arrivals: list) -> None:
@@ -279,7 +275,7 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             from minibatch.bench.demo_disagg import record
             return _disaggregated(record(model, small), path, text_only, small)
         if scenario == "structured":                   # a still of its own: the masks beside the batch
-            from minibatch.structured.demo import run_structured_demo
+            from minibatch.bench.structured_demo import run_structured_demo
             return run_structured_demo(model, path, text_only, small)
         if scenario in ("continuous", "static"):
             runs = scenario_batching(model, small)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from minibatch.bench.demo import PROMPTS
-from minibatch.engine.sampler import SamplingParams
+from minibatch.bench.workload import PROMPTS
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
 
 def record(model, small: bool) -> TraceRecorder:
-    from minibatch.engine.llm import LLM
+    from minibatch.llm import LLM
     llm = LLM(model, disaggregated=True, max_num_seqs=4, block_size=8, num_gpu_blocks=48,
               max_num_batched_tokens=32)
     rec = TraceRecorder(meta={"scenario": "disaggregated"})

@@ -14,7 +14,7 @@ same requests (prompts, lengths, arrival times), alternately, ``--repeats`` roun
 (lowest p90 TPOT) round and prints the range of p90 TPOT over rounds.
 
 ``--simulate h100:llama-3-8b`` asks DistServe's question on the simulated clock instead (``minibatch.perf``;
-``distributed/sim.py``): one colocated instance on 2 devices (tensor parallelism, ``2xh100:llama-3-8b``) against a
+``disagg/sim.py``): one colocated instance on 2 devices (tensor parallelism, ``2xh100:llama-3-8b``) against a
 prefill instance and a decode instance of one device each, the K/V crossing the profile's interconnect; goodput
 at ``--slo ttft=..,tpot=..`` (requests/s meeting both). Then the per-token latency of a model that does not fit one
 device (``--big llama-3-70b``) at tensor_parallel_size 2 and 4.
@@ -61,7 +61,7 @@ def compare(model, rates, num_requests, prompt_len, repeats, seed=0, **engine_kw
 
 def compare_simulated(model, spec: str, rates, num_requests, prompt_len, slo, seed=0, **engine_kwargs) -> dict:
     """{(setup, rate): request_stats on the simulated clock}: colocated on 2 devices vs 1 prefill + 1 decode."""
-    from minibatch.distributed.sim import run_disaggregated_simulated
+    from minibatch.disagg.sim import run_disaggregated_simulated
     from minibatch.stats import request_stats
     out = {}
     for rate in rates:
@@ -87,8 +87,8 @@ def format_simulated(results: dict, slo: dict) -> str:
 
 def big_model_latency(model, hw: str, big: str, tps=(2, 4)) -> str:
     """One request's TTFT and TPOT for a model too big for one device, at each tensor-parallel degree."""
-    from minibatch.engine.llm import LLM
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.llm import LLM
+    from minibatch.sampling.sampler import SamplingParams
     from minibatch.stats import request_stats
     from minibatch.trace import TraceRecorder
     lines = []

@@ -28,24 +28,8 @@ from typing import Optional
 import numpy as np
 
 from minibatch.engine.outputs import RequestMetrics
-from minibatch.stats import request_stats, run_stats
+from minibatch.stats import percentiles, request_stats, run_stats  # noqa: F401 (percentiles: the one definition)
 from minibatch.trace import StepTrace
-
-
-def percentiles(xs, ps=(50, 90, 99)) -> dict:
-    """{"p50": ..., "p90": ..., "p99": ...} of the numbers xs (linear interpolation, numpy's default).
-
-    An empty xs gives None for every percentile: there is nothing to report, which is not 0.
-    """
-    xs = list(xs)
-    if any(x is None for x in xs):
-        raise ValueError("percentiles got None values; leave out the requests that have no value")
-    if any(not 0 <= p <= 100 for p in ps):
-        raise ValueError(f"percentiles must lie in [0, 100], got {list(ps)}")
-    if not xs:
-        return {f"p{p:g}": None for p in ps}
-    vals = np.percentile(np.asarray(xs, dtype=float), list(ps))
-    return {f"p{p:g}": float(v) for p, v in zip(ps, vals)}
 
 
 def summarize(metrics: list, traces: Optional[list] = None, wall_time: Optional[float] = None,

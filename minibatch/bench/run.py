@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from minibatch.engine.llm import LLM
+from minibatch.llm import LLM
 from minibatch.bench.metrics import (critical_path_bound, fcfs_bound, fcfs_schedule_steps, format_table, slot_bound,
                                      static_steps, summarize)
 from minibatch.trace import TraceRecorder

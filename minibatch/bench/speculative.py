@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from minibatch.engine.llm import LLM
+from minibatch.llm import LLM
 from minibatch.stats import run_stats
 from minibatch.trace import TraceRecorder
 
@@ -125,7 +125,7 @@ def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plai
 
 
 def bench_speculative(args) -> list:
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.sampling.sampler import SamplingParams
     from minibatch.model.data import val_documents
     from minibatch.model.weights import load_model
     model = load_model("target", device=args.device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from minibatch.bench.speculative import _decode_step_time, _propose_time, timed_pair
-from minibatch.engine.llm import LLM
+from minibatch.llm import LLM
 from minibatch.stats import run_stats
 
 HEADER = (f"{'temp':>5}{'batch':>6}{'method':>8}{'shape':>22}{'passes':>7}{'nodes':>7}{'tau':>6}{'tau/chain':>10}"
@@ -63,7 +63,7 @@ def bench_tree_row(model, spec, label, prompts, params, bs, repeats, plain, temp
 
 
 def bench_trees(args) -> list:
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.sampling.sampler import SamplingParams
     from minibatch.model.data import val_documents
     from minibatch.model.weights import WEIGHTS_DIR, load_model, read_manifest
     model = load_model("target", device=args.device)

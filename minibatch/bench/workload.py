@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from minibatch.model.data import val_documents
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
+
+# Short code prompts (the lecture demos'); their greedy continuations are predictable enough for a draft to guess.
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "def read_file(path):\n", "if __name__ == '__main__':\n",
+           "try:\n    import json\n", "def __repr__(self):\n", "with open(path) as f:\n",
+           "    def close(self):\n", "# Copyright 2001\n", "def main(argv=None):\n"]
 
 WORKLOADS = {
     "uniform": "output lengths uniform in output_len = (lo, hi), default (16, 128): every request alike",

@@ -1,6 +1,6 @@
 """The engine room: requests in, one iteration per ``step()``, outputs back.
 
-Follow one request: ``llm.py`` (LLM.generate) -> ``engine.py`` (LLMEngine.add_request / step) ->
+Follow one request: ``minibatch/llm.py`` (LLM.generate, one room above) -> ``engine.py`` (LLMEngine.add_request / step) ->
 ``scheduler.py`` (schedule, update_from_output; the queue in ``request_queue.py``, the state in
 ``sequence.py``) -> ``model_runner.py`` (the flat batch, the forward, ``sampler.py``) -> ``outputs.py``.
 """
@@ -13,7 +13,4 @@ def __getattr__(name):                 # lazy, so that importing one module of t
     if name == "EngineConfig":
         from minibatch.engine.config import EngineConfig
         return EngineConfig
-    if name == "LLM":
-        from minibatch.engine.llm import LLM
-        return LLM
     raise AttributeError(f"module 'minibatch.engine' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from minibatch.engine.cuda_graphs import MODES
 from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
-from minibatch.spec_decode.proposer import check_speculative_config
+from minibatch.spec_decode.config import check_speculative_config
 from minibatch.engine.threads import check_num_threads
 
 SCHEDULINGS = ("continuous", "static")

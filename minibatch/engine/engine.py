@@ -8,7 +8,7 @@
 
 The step-level interface is vLLM's ``LLMEngine``: ``add_request``,
 ``abort_request``, ``step`` (returns the ``RequestOutput``s that changed),
-``has_unfinished_requests``. ``minibatch.engine.llm.LLM`` drives it for whole prompt lists.
+``has_unfinished_requests``. ``minibatch.llm.LLM`` drives it for whole prompt lists.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from typing import Callable, Optional
 
 import torch
 
-from minibatch.engine import logprobs
+from minibatch.sampling import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.engine.scheduler import Scheduler
 from minibatch.engine.sequence import Request, Sequence
 from minibatch.engine.static_scheduler import StaticScheduler
@@ -32,7 +32,7 @@ from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import decode, encode
-from minibatch.spec_decode.proposer import make_proposer
+from minibatch.engine.proposers import make_proposer
 from minibatch.spec_decode.typical import typical_params
 from minibatch.trace import make_trace
 

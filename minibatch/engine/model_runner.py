@@ -19,7 +19,7 @@
    sampler over 1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and adds one
    token of the target's own: every chain of the step in one batched call on the device
    (``rejection_sample_batched``), or, when another sampler is patched in (exercise 4), through it;
-5. a **token tree** (``spec_decode/tree.py``) is verified the same way, over its 1 + N
+5. a **token tree** (``kv/tree.py``) is verified the same way, over its 1 + N
    nodes, and keeps one root-to-leaf path; that path's K/V (and hidden states) then
    move to consecutive slots, so the cache holds a plain chain again (``_keep_paths``).
 
@@ -33,13 +33,13 @@ from typing import Optional
 
 import torch
 
-from minibatch.engine import logprobs as lp
-from minibatch.engine.logits_processors import apply_logits_processors
-from minibatch.engine.sampler import Sampler, batched_probabilities, probabilities
+from minibatch.sampling import logprobs as lp
+from minibatch.sampling.logits_processors import apply_logits_processors
+from minibatch.sampling.sampler import Sampler, batched_probabilities, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
-from minibatch.spec_decode import tree
+from minibatch.kv import tree
 from minibatch.spec_decode.rejection_sampler import rejection_sample
-from minibatch.structured.matcher import apply_grammar_bitmask
+from minibatch.sampling.structured.matcher import apply_grammar_bitmask
 
 # The greedy shortcut in _sample is only known equal to this sampler. (Held in a tuple: exercises.patch_engine
 # rebinds every module attribute that *is* the reference, and this one must keep pointing at it.)
@@ -107,7 +107,7 @@ class ModelRunner:
         return apply_grammar_bitmask(logits, scheduled, rows)
 
     def _logprobs(self, result, scheduled, logits) -> None:
-        """The logprobs requests ask for (engine/logprobs.py): their sampled tokens' from the processed
+        """The logprobs requests ask for (sampling/logprobs.py): their sampled tokens' from the processed
         target rows, and a prompt's once it is complete."""
         if any(s.seq.params.logprobs is not None for s in scheduled):
             result.logprobs, result.forked_logprobs = lp.sample_logprobs(

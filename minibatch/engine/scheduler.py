@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from minibatch.engine.request_queue import RequestQueue
-from minibatch.engine.sampler import find_stop
+from minibatch.sampling.sampler import find_stop
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
-from minibatch.spec_decode.tree import judged_depths
-from minibatch.structured.matcher import advance
+from minibatch.kv.tree import judged_depths
+from minibatch.sampling.structured.matcher import advance
 
 ORDERS = ("decode-first", "prefill-first")
 

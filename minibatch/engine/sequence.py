@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from minibatch.engine.outputs import RequestMetrics
-from minibatch.engine.sampler import SamplingParams, make_generator
+from minibatch.sampling.sampler import SamplingParams, make_generator
 from minibatch.spec_decode.stats import SpecStats
 
 
@@ -50,7 +50,7 @@ class Request:
     seqs: list = field(default_factory=list)
     generators: list = field(default_factory=list)   # sample i draws from generators[i] (None: the engine's)
     logprobs: dict = field(default_factory=dict)     # sample index -> [{token: Logprob}] per output token
-    prompt_logprobs: Optional[list] = None           # [None, {token: Logprob}, ...] (engine/logprobs.py)
+    prompt_logprobs: Optional[list] = None           # [None, {token: Logprob}, ...] (sampling/logprobs.py)
 
     def __post_init__(self):
         if self.metrics is None:
@@ -78,9 +78,9 @@ class Sequence:
     spec_token_ids: list = field(default_factory=list)        # drafts for the next step to verify
     spec_probs: Optional[torch.Tensor] = None                 # [len(spec_token_ids), V] draft q; None = one-hot
     spec_parents: Optional[list] = None                       # a token tree: parents of [root] + drafts
-                                                              # (spec_decode/tree.py); None = a chain
+                                                              # (kv/tree.py); None = a chain
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this sequence's verify steps
-    finish_reason: Optional[str] = None      # "length", "stop", "abort" ("dead_end": structured/matcher.py)
+    finish_reason: Optional[str] = None      # "length", "stop", "abort" ("dead_end": sampling/structured/matcher.py)
     grammar: Optional[object] = None         # structured outputs: the matcher after this sequence's output tokens
 
     def __post_init__(self):

@@ -8,7 +8,7 @@ positions 0..that. Decode (q_len 1), a prefill, a later prefill chunk and a
 speculative verification (1 + k queries) are all this one case (vLLM's
 "unified" attention; Kwon et al., SOSP'23, §4.1 for the paged form).
 
-A token tree (``minibatch/spec_decode/tree.py``) is verified the same way, plus one mask: its root and
+A token tree (``minibatch/kv/tree.py``) is verified the same way, plus one mask: its root and
 N drafts are the sequence's q_len = N + 1 new tokens, node i at cache index ``context_len + i``, but at
 position ``context_len + depth[i]``, and it sees the context and its own ancestors only (SpecInfer, Miao
 et al. 2024, §4.1 "tree attention"). ``tree_bits[t]`` carries row t's mask as one int64: bit j set =
@@ -28,14 +28,13 @@ asks every backend to re-check its inputs on every call.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from minibatch.kv import backends, checks
-from minibatch.kv.kv_cache import KVCache, block_table_tensor, slot_mapping as _slot_mapping
-from minibatch.spec_decode import tree      # tree.mask_bits / positions looked up per call: an exercise patches them
+from minibatch.kv.kv_cache import KVCache
+from minibatch.kv.metadata import AttentionMetadata
 
 BACKENDS = ("loop", "batched", "triton")
 # Backends whose decode forward has no host sync and no data-dependent shape (tests/test_host_sync.py): they can
@@ -50,86 +49,6 @@ def check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {list(BACKENDS)}")
     return name
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor       # [T] int64, -1 = do not store
-    block_tables: torch.Tensor       # [B, max_blocks] int32, -1 padded
-    seq_lens: torch.Tensor           # [B] int32, context length including this step's tokens
-    query_start_loc: torch.Tensor    # [B+1] int32
-    max_query_len: int
-    max_seq_len: int
-    positions: Optional[torch.Tensor] = None      # [T] int64: where each new token sits in its sequence
-    # host-side copies, so no backend has to read a device tensor back (a sync) to plan its work
-    seq_lens_list: list = field(default_factory=list)
-    query_lens_list: list = field(default_factory=list)
-    max_block_id: int = -1                        # the largest block id any table holds
-    plan: dict = field(default_factory=dict)      # backends cache what they derive once per step here
-    tree_bits: Optional[torch.Tensor] = None      # [T] int64 tree mask rows (-1: plain causal); None: no tree
-    # A fixed-shape decode batch (engine/input_batch.py): every row one query, the tensors views of persistent
-    # buffers, padding rows with slot -1 and length 0. A graph-safe backend then plans from the device tensors
-    # alone (no host list, no length-dependent shape), so a CUDA graph can replay the step.
-    static: bool = False
-
-    @classmethod
-    def build(cls, block_tables, num_computed, num_new, block_size: int, device="cpu",
-              tree_parents=None) -> "AttentionMetadata":
-        """Sequence b has num_computed[b] tokens in the cache already and feeds num_new[b] new ones.
-
-        tree_parents: None, or per sequence None (an ordinary one) or the parent list of the token tree its
-        num_new[b] new tokens form (``tree.py``: node 0 = its first new token, the root).
-        Every check on the step's shape happens here, once: lengths agree, counts are sane, every
-        position has a block (``slot_mapping`` checks that), the tables' block ids are >= 0, trees are trees."""
-        if not len(block_tables) == len(num_computed) == len(num_new):
-            raise ValueError(f"block_tables, num_computed, num_new have different lengths "
-                             f"({len(block_tables)}, {len(num_computed)}, {len(num_new)})")
-        if any(n < 1 for n in num_new) or any(c < 0 for c in num_computed):
-            raise ValueError(f"need num_new >= 1 and num_computed >= 0, got {list(num_new)}, {list(num_computed)}")
-        trees = _check_trees(tree_parents, num_new)
-        lens = [c + n for c, n in zip(num_computed, num_new)]
-        slots = _slot_mapping(block_tables, num_computed, num_new, block_size, device)
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-        positions, bits = [], []               # a tree node sits at context + its depth; siblings share one
-        for c, n, parents in zip(num_computed, num_new, trees):
-            if parents is None:
-                positions += range(c, c + n)
-                bits += [-1] * n
-            else:
-                positions += tree.positions(parents, c)
-                bits += tree.mask_bits(parents)
-        tree_bits = None if all(p is None for p in trees) else torch.tensor(bits, dtype=torch.int64, device=device)
-        return cls(slots, block_table_tensor(block_tables, device),
-                   torch.tensor(lens, dtype=torch.int32, device=device),
-                   torch.tensor(starts, dtype=torch.int32, device=device),
-                   max(num_new, default=0), max(lens, default=0),
-                   torch.tensor(positions, dtype=torch.int64, device=device),
-                   lens, list(num_new), max((max(t) for t in block_tables if len(t)), default=-1),
-                   tree_bits=tree_bits)
-
-
-def _check_trees(tree_parents, num_new) -> list:
-    """tree_parents as a list of B entries, each None or a checked parent list of length num_new[b]."""
-    if tree_parents is None:
-        return [None] * len(num_new)
-    if not isinstance(tree_parents, (list, tuple)) or len(tree_parents) != len(num_new):
-        n = len(tree_parents) if isinstance(tree_parents, (list, tuple)) else type(tree_parents).__name__
-        raise ValueError(f"tree_parents must be a list with one entry (None or a parent list) per sequence: "
-                         f"{len(num_new)} sequences, got {n}")
-    out = []
-    for b, parents in enumerate(tree_parents):
-        if parents is not None:
-            try:
-                parents = tree.check_parents(parents)
-            except ValueError as e:
-                raise ValueError(f"tree_parents[{b}]: {e}") from None
-            if len(parents) != num_new[b]:
-                raise ValueError(f"tree_parents[{b}] has {len(parents)} nodes, but sequence {b} feeds "
-                                 f"num_new = {num_new[b]} new tokens: one node (the root included) per new token")
-        out.append(parents)
-    return out
 
 
 # read once: the engine builds a PagedAttention every step

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from minibatch.kv.checks import _check_attention, _check_cache, check_accepts
+from minibatch.kv.metadata import AttentionMetadata
 
 
 # -- store ------------------------------------------------------------------------------
@@ -112,7 +113,6 @@ def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_len
     """Same as paged_attention_loop, for the whole batch at once (two groups: decodes and the rest)."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                      "paged_attention_batched", tree_bits)
-    from minibatch.kv.attention import AttentionMetadata
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     md = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, 0, 0, None,
                            lens, [e - s for s, e in zip(qsl[:-1], qsl[1:])], tree_bits=tree_bits)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from minibatch.spec_decode.tree import MAX_TREE_NODES
+from minibatch.kv.tree import MAX_TREE_NODES
 
 
 def _check_cache(key_cache, value_cache, who):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minibatch.model.train import batched_causal_attention
+from minibatch.model.training import batched_causal_attention
 
 MEDUSA_DECAY = 0.8                    # lambda_i = 0.8^i (Medusa §2.1.1)
 

@@ -24,25 +24,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minibatch.model.data import load_corpus
+from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
 from minibatch.model.model import GPT, PRESETS, get_config
 from minibatch.model.weights import load_model, save_checkpoint
-
-
-def batched_causal_attention(batch: int, seq: int):
-    """Attention fn for training: the flat batch is a [batch, seq] rectangle of full windows."""
-    def attn(layer_idx, q, k, v):                                 # [B*S, H, D] each
-        H, D = q.shape[1:]
-        q, k, v = (t.view(batch, seq, H, D).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.transpose(1, 2).reshape(batch * seq, H, D)
-    return attn
-
-
-def sample_windows(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
-    starts = rng.integers(0, len(data) - seq - 1, size=batch)
-    x = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)
-    x = torch.from_numpy(x)
-    return x[:, :-1], x[:, 1:]                                    # inputs, next-byte targets
 
 
 def logits_of(model: GPT, x: torch.Tensor) -> torch.Tensor:
@@ -115,17 +99,11 @@ def main(argv=None):
                             lr=args.lr, betas=(0.9, 0.95))
     print(f"{cfg.name}: {model.num_params():,} parameters; corpus {len(train):,} train / {len(val):,} val bytes")
 
-    def lr_at(step):                                              # linear warm-up, cosine to 10 %
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        t = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
     t0, log = time.time(), []
     bar = tqdm(range(args.steps), desc=f"train {cfg.name}", mininterval=5)
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = cosine_lr(step, args.lr, args.warmup, args.steps)
         x, y = sample_windows(train, args.batch_size, args.seq_len, rng)
         logits = logits_of(model, x)
         if teacher is None:

@@ -36,7 +36,7 @@ from minibatch.model.data import load_corpus
 from minibatch.model.head_objectives import (eagle_batch, eagle_eval, eagle_loss, exit_eval, exit_loss, medusa_batch,
                                              medusa_eval, medusa_loss, position_batch)
 from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads
-from minibatch.model.train import batched_causal_attention, sample_windows
+from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
 from minibatch.model.weights import HEAD_PRESETS, WEIGHTS_DIR, load_model, read_manifest, save_tensors
 
 @torch.no_grad()
@@ -149,16 +149,10 @@ def main(argv=None):
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
 
-    def lr_at(step):                                              # linear warm-up, cosine to 10 %
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        t = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
     t1, log = time.time(), []
     for step in range(args.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = cosine_lr(step, args.lr, args.warmup, args.steps)
         loss = loss_fn(head, train_t, train_h, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()

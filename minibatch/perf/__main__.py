@@ -12,11 +12,11 @@ def main(argv=None) -> int:
         print(f"error: choose one of {list(cmds)}", file=sys.stderr)
         return 2
     if argv[0] == "calibrate":
-        from minibatch.perf.calibrate import main as run
+        from minibatch.bench.calibrate import main as run
     elif argv[0] == "validate":
-        from minibatch.perf.validate import main as run
+        from minibatch.bench.validate import main as run
     else:
-        from minibatch.perf.validate import profiles_main as run
+        from minibatch.bench.validate import profiles_main as run
     try:
         return run(argv[1:])
     except ValueError as e:

@@ -26,7 +26,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.model.tokenizer import decode
 
 _UNSUPPORTED_DEFAULTS = {"best_of": None, "suffix": None}
@@ -85,7 +85,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None   # {"token id": bias in [-100, 100]}
-    repetition_penalty: float = 1.0             # vLLM extensions (engine/logits_processors.py)
+    repetition_penalty: float = 1.0             # vLLM extensions (sampling/logits_processors.py)
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None       # vLLM extension: each choice's "prompt_logprobs"

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_llm(args):
-    from minibatch.engine.llm import LLM
+    from minibatch.llm import LLM
     spec = args.speculative_config
     return LLM(args.model, device=args.device, draft_model="draft" if spec and spec.get("method") == "draft" else None,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

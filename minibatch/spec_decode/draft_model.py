@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from minibatch.engine.sampler import make_generator, probabilities
+from minibatch.sampling.sampler import make_generator, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.engine.sampler import make_generator, probabilities
-from minibatch.engine.sequence import SequenceStatus
+from minibatch.sampling.sampler import make_generator, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode.eagle_tree import draft_trees, entries_per_seq
 from minibatch.spec_decode.proposer import Proposer, proposal_budget
@@ -90,7 +89,7 @@ class EagleProposer(Proposer):
             done, f_prev = self.state.get(seq.seq_id, (None, None))
             f_in = torch.cat([(f_prev if done == c0 else zero)[None], feats[qsl[b]: qsl[b] + m - c0 - 1]])
             catch[seq.seq_id] = (seq, s.block_table, c0, seq.token_ids[c0:m], f_in)
-            if seq.status is not SequenceStatus.FINISHED:
+            if not seq.is_finished:
                 self.state[seq.seq_id] = (m, feats[qsl[b] + m - c0 - 1])
         drafting = []                   # (seq, k): those the target ran this step, and fresh forks
         for seq in seqs:
@@ -173,7 +172,7 @@ class EagleProposer(Proposer):
         """A preempted sequence is forgotten now; a finished one after this step's catch-up, which still writes
         its last entries (from f_{c0-1}, kept in its state) into blocks the prefix cache may hand out again."""
         self.generators.pop(seq.seq_id, None)
-        if seq.status is SequenceStatus.FINISHED:
+        if seq.is_finished:
             self.finished.add(seq.seq_id)
         else:
             self.state.pop(seq.seq_id, None)

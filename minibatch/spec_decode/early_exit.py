@@ -64,7 +64,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.engine.sampler import make_generator, probabilities
+from minibatch.sampling.sampler import make_generator, probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.kv_cache import slot_mapping as _slot_mapping
 from minibatch.spec_decode.proposer import MidStackStart, Proposer, proposal_budget

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from minibatch.spec_decode.proposer import Proposer, hidden_rows, proposal_budget
-from minibatch.spec_decode.tree import from_choices
+from minibatch.kv.tree import from_choices
 
 
 class MedusaProposer(Proposer):

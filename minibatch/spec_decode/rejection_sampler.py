@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.spec_decode import tree
+from minibatch.kv import tree
 
 
 def _check_inputs(draft_token_ids, draft_probs, target_probs, generators, num_draft_tokens, greedy):
@@ -134,7 +134,7 @@ def rejection_sample_batched(draft_token_ids: torch.Tensor, draft_probs: Optiona
     Per row b, with x_i its drafts, u_i ~ U[0, 1): accept while u_i q_i(x_i) < p_i(x_i) (greedy: x_i = argmax p_i),
     n = the accepted prefix's length (a cumulative product); then the token at n from p_n, or, when x_n was
     rejected, from the residual max(0, p_n - q_n) (q one-hot: p_n without x_n)."""
-    from minibatch.engine.sampler import exponential_noise, race
+    from minibatch.sampling.sampler import exponential_noise, race
     p = target_probs                                                             # [B, k+1, V]
     B, k1, V = p.shape
     k, dev = k1 - 1, p.device
@@ -171,7 +171,7 @@ def rejection_sample_batched(draft_token_ids: torch.Tensor, draft_probs: Optiona
 
 def tree_rejection_sample(parents, tokens, target_probs: torch.Tensor, draft_probs: Optional[torch.Tensor] = None,
                           generator: Optional[torch.Generator] = None) -> tuple[list, list]:
-    """Verify one sequence's token tree (``spec_decode/tree.py``): walk down from the root, keep one path.
+    """Verify one sequence's token tree (``kv/tree.py``): walk down from the root, keep one path.
 
     parents [N+1] (node 0 the root, parents first), tokens [N+1] (node i's token; tokens[0], the root's, is
     not read), target_probs [N+1, V]: row i is the target's p for the token after node i.

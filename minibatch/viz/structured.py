@@ -1,6 +1,6 @@
 """Structured outputs, drawn: a few steps' batches (left) beside each row's 256-wide mask (right).
 
-Reads plain data, one dict a step (what ``minibatch.structured.demo.record`` makes; no engine state):
+Reads plain data, one dict a step (what ``minibatch.bench.structured_demo.record`` makes; no engine state):
 
     {"step": int, "rows": [{"seq_id": str, "label": str ("regex [0-9]{1,3}", "unconstrained", ...),
                            "text": str (the output before this step), "allowed": [256] bools or None

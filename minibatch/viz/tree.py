@@ -1,6 +1,6 @@
 """Token trees drawn: what one verify step tried for a sequence, and the one path the target kept.
 
-Tree speculation (``minibatch/spec_decode/tree.py``: SpecInfer; Medusa §2.1.2; EAGLE-2) verifies a root
+Tree speculation (``minibatch/kv/tree.py``: SpecInfer; Medusa §2.1.2; EAGLE-2) verifies a root
 (the last accepted token) and N draft nodes with parent pointers in one target forward, and keeps the
 longest accepted root-to-leaf path. The trace records it per sequence (``SeqStep.draft_parents``,
 ``draft_token_ids``, ``accepted_path``, ``root_token_id``, ``new_token_ids``); two views draw it:
@@ -35,7 +35,7 @@ prints; ``tree_trace`` makes a one-step trace from a hand-written parent list, t
 """
 from __future__ import annotations
 
-from minibatch.spec_decode.tree import ancestor_mask
+from minibatch.kv.tree import ancestor_mask
 from minibatch.viz.common import (PHASE_COLORS, SPEC_REJECTED_COLOR, SPEC_TARGET_COLOR, as_traces,
                                   axes_size_pt, new_axes, style, styled, text_color_on, text_width_pt,
                                   wrap_title)

@@ -7,7 +7,7 @@ root-to-node accepted path; ``tree_rows`` lays the nodes out (the drafter's firs
 """
 from __future__ import annotations
 
-from minibatch.spec_decode.tree import chain_parents, check_parents, children, depths
+from minibatch.kv.tree import chain_parents, check_parents, children, depths
 from minibatch.trace import SeqStep, StepTrace
 from minibatch.viz.common import TraceError, as_traces, find_step
 

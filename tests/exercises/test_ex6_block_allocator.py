@@ -6,7 +6,7 @@ runs random allocate / compute / append / fork / truncate / free sequences, as a
 the invariant checker, a plain-Python model of the pool (a queue of block ids and a table per sequence) and
 a fake KV cache (a prefix-cache hit on the wrong block, or a shared block written in place, leaves a position
 whose "KV" is not its token). Last, the engine generates with your allocator, and its greedy text must equal
-generation without any cache (minibatch/model/reference.py).
+generation without any cache (minibatch/sampling/reference.py).
 """
 import sys
 from collections import Counter
@@ -612,7 +612,7 @@ def slots(block_tables, starts, counts, block_size, device="cpu"):
 def _engine_outputs(model, prompts, params, **cfg):
     """LLM on the allocator under test, with a toy scheduler (below) so that this part needs only yours."""
     import minibatch.engine.engine as engine
-    import minibatch.kv.attention as attention
+    import minibatch.kv.metadata as attention
     from minibatch import LLM
     saved = engine.BlockAllocator, engine.Scheduler, attention._slot_mapping
     engine.BlockAllocator, engine.Scheduler = exercises.get("block_allocator"), _one_at_a_time()
@@ -654,7 +654,7 @@ def test_the_engine_generates_the_same_text_on_your_allocator(target_model):
     block) and a pool small enough to evict cached blocks. (Greedy, the "batched" attention, no speculation:
     nothing here needs another exercise of yours.)"""
     from minibatch import SamplingParams
-    from minibatch.model.reference import generate
+    from minibatch.sampling.reference import generate
     from minibatch.model.tokenizer import encode
     prompts = [PREAMBLE + "def main():\n", "class Stack:\n    def push(self", PREAMBLE + "for i in range(",
                PREAMBLE + "def main():\n", "    def __init__(self"]

@@ -521,7 +521,7 @@ LENGTHS = [24, 18, 20, 16, 22]
 
 @pytest.fixture(scope="module")
 def no_cache_text(target_model):
-    from minibatch.model.reference import generate
+    from minibatch.sampling.reference import generate
     from minibatch.model.tokenizer import encode
     return [generate(target_model, encode(p), SamplingParams(temperature=0, max_tokens=m))[0]
             for p, m in zip(PROMPTS, LENGTHS)]
@@ -546,7 +546,7 @@ def test_the_engine_generates_the_same_text_on_your_scheduler(target_model, no_c
     """Your scheduler in the engine, on a ToyPool: greedy, the "batched" attention, no speculation (nothing here
     needs another exercise of yours)."""
     import minibatch.engine.engine as engine
-    import minibatch.kv.attention as attention
+    import minibatch.kv.metadata as attention
     from minibatch import LLM
     from minibatch.trace import TraceRecorder
     saved = engine.BlockAllocator, engine.Scheduler, engine.StaticScheduler, attention._slot_mapping

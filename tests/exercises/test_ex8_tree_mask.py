@@ -413,7 +413,7 @@ def test_the_engine_decodes_greedily_with_eagle_trees_on_your_functions(target_m
     import minibatch.engine.engine as engine
     import minibatch.kv.attention as attention
     from minibatch import LLM, SamplingParams
-    from minibatch.model.reference import generate
+    from minibatch.sampling.reference import generate
     from minibatch.model.tokenizer import encode
     from minibatch.trace import TraceRecorder
     want = [generate(target_model, encode(p), SamplingParams(temperature=0, max_tokens=m))[0]

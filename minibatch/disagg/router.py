@@ -12,8 +12,8 @@ import weakref
 from typing import Callable, Optional
 
 from minibatch.distributed import comm
-from minibatch.distributed.disagg import INSTANCES, POLL_S, InstanceDied, _drain, decode_main, prefill_main
-from minibatch.engine.sampler import SamplingParams
+from minibatch.disagg.instance import INSTANCES, POLL_S, InstanceDied, _drain, decode_main, prefill_main
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.model.tokenizer import decode, encode
 from minibatch.trace import StepTrace
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.engine import LLMEngine
 from minibatch.model.model import GPT
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 from minibatch.engine.outputs import RequestOutput
 from minibatch.model.weights import load_model
 
@@ -36,7 +36,7 @@ class LLM:
             draft_model = load_model(draft_model, device=self.model.device, dtype=self.model.dtype)
         config = EngineConfig(**engine_kwargs)
         if config.disaggregated:             # a prefill and a decode instance behind a router, LLMEngine's surface
-            from minibatch.distributed.router import DisaggregatedEngine
+            from minibatch.disagg.router import DisaggregatedEngine
             self.llm_engine = DisaggregatedEngine(self.model, config, draft_model)
         else:
             self.llm_engine = LLMEngine(self.model, config, draft_model)

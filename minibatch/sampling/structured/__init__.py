@@ -4,6 +4,6 @@ teaching.py (a regex's automaton, readable), backend.py (llguidance, the library
 ``StructuredOutputsParams``), matcher.py (the engine's side: masks per row, advance and roll back),
 reference.py (the slow oracle: the no-cache model under the teaching matcher's masks).
 """
-from minibatch.structured.params import StructuredOutputsParams
+from minibatch.sampling.structured.params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

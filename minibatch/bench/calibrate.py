@@ -64,8 +64,8 @@ def measure_op_overhead() -> float:
 def _calibration_traces(model):
     """Traces of a short real run: prompts (whole, up to 300 tokens), then decode batches of 1, 8 and 32 rows
     (not the validation mix: no chunks beside decodes, no drafts)."""
-    from minibatch.engine.llm import LLM
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.llm import LLM
+    from minibatch.sampling.sampler import SamplingParams
     from minibatch.trace import TraceRecorder
     traces = []
     for bs in (1, 8, 32):

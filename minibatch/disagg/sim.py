@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minibatch.distributed.disagg import admit_prefilled, handoff_header
+from minibatch.disagg.instance import admit_prefilled, handoff_header
 from minibatch.distributed.kv_transfer import KVSender
 
 

@@ -1,4 +1,4 @@
-"""The oracle of constrained decoding: the no-cache model (model/reference.py) under a matcher's mask, one byte
+"""The oracle of constrained decoding: the no-cache model (sampling/reference.py) under a matcher's mask, one byte
 at a time. Slow on purpose and obviously right: every engine configuration (batching, chunked prefill,
 preemption, speculation, the library backend) must give its greedy tokens exactly.
 """
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.engine.sampler import SamplingParams, make_generator
+from minibatch.sampling.sampler import SamplingParams, make_generator
 from minibatch.model.model import GPT
-from minibatch.model.reference import _finish, _next_token, check_request, next_logits
-from minibatch.structured.matcher import advance
+from minibatch.sampling.reference import _finish, _next_token, check_request, next_logits
+from minibatch.sampling.structured.matcher import advance
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import pathlib
 
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.engine import LLMEngine
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
           "ok": {"type": "boolean"}}, "required": ["id", "ok"], "additionalProperties": False}

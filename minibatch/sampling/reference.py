@@ -17,7 +17,7 @@ import math
 import torch
 
 from minibatch.model.model import GPT, DenseAttention
-from minibatch.engine.sampler import (SamplingParams, exponential_noise, find_stop, make_generator, probabilities,
+from minibatch.sampling.sampler import (SamplingParams, exponential_noise, find_stop, make_generator, probabilities,
                                       race)
 
 

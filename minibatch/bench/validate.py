@@ -37,8 +37,8 @@ def validation_traces(small: bool = False) -> list:
     """The mixed workload's traces (warm engines; the first step of each run is left out as warm-up)."""
     from minibatch.bench.run import run_workload
     from minibatch.bench.workload import make_workload
-    from minibatch.engine.llm import LLM
-    from minibatch.engine.sampler import SamplingParams
+    from minibatch.llm import LLM
+    from minibatch.sampling.sampler import SamplingParams
     from minibatch.model.weights import load_model
     from minibatch.trace import TraceRecorder
     model, draft = load_model("target"), load_model("draft")
@@ -79,7 +79,7 @@ def format_errors(errs: dict) -> str:
 
 def main(argv=None) -> int:
     import argparse
-    from minibatch.perf.calibrate import calibrate
+    from minibatch.bench.calibrate import calibrate
     from minibatch.perf.cost import CostModel
     from minibatch.perf.hardware import load_profile
     from minibatch.perf.models import get_model

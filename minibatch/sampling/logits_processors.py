@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.engine.sampler import SamplingParams
+from minibatch.sampling.sampler import SamplingParams
 
 
 def has_controls(p: SamplingParams) -> bool:
@@ -33,7 +33,7 @@ def has_controls(p: SamplingParams) -> bool:
 
 def _path_drafts(s, j: int) -> list:
     """The drafts generated, in this row's world, before row j of a verify: drafts 0 .. j-1 of a chain, or
-    the drafts on the path root -> node j of a tree (``spec_decode/tree.py``: node i > 0 holds draft i - 1)."""
+    the drafts on the path root -> node j of a tree (``kv/tree.py``: node i > 0 holds draft i - 1)."""
     if s.spec_parents is None:
         return s.spec_token_ids[:j]
     path = []

@@ -28,7 +28,7 @@ import torch
 from minibatch.model.tokenizer import VOCAB_SIZE as VOCAB
 
 MAX_LOGPROBS = 20        # vLLM's default max_logprobs: the most top alternatives a request may ask for
-from minibatch.structured.params import structured_outputs_params
+from minibatch.sampling.structured.params import structured_outputs_params
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list = field(default_factory=list)   # stop strings; the output is cut before the match
     ignore_eos: bool = True         # a byte model has no end-of-sequence token; kept for vLLM parity
-    # logprobs (engine/logprobs.py) and the sampling controls (engine/logits_processors.py), vLLM's names and ranges
+    # logprobs (sampling/logprobs.py) and the sampling controls (sampling/logits_processors.py), vLLM's names and ranges
     logprobs: Optional[int] = None          # per output token: its logprob and the top `logprobs` (<= MAX_LOGPROBS)
     prompt_logprobs: Optional[int] = None   # the same for every prompt token after the first
     presence_penalty: float = 0.0           # [-2, 2]: minus this once for every token already in the output

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from minibatch.structured.backend import LLGuidanceMatcher, compile_grammar
-from minibatch.structured.teaching import DFA, TeachingMatcher
+from minibatch.sampling.structured.backend import LLGuidanceMatcher, compile_grammar
+from minibatch.sampling.structured.teaching import DFA, TeachingMatcher
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 BACKENDS = ("llguidance", "teaching")
