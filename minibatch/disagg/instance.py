@@ -23,6 +23,7 @@ gathers), so a transfer in flight loses nothing but the request; the decode inst
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -32,8 +33,7 @@ import traceback
 import torch
 
 from minibatch.distributed import comm
-from minibatch.distributed.kv_transfer import (DECODE_RANK, PREFILL_RANK, KVSender, receive, scatter_prompt)
-from minibatch.engine.sequence import Request, Sequence, SequenceStatus
+from minibatch.distributed.kv_transfer import (DECODE_RANK, PREFILL_RANK, KVSender, receive)
 
 INSTANCES = ("prefill", "decode")
 POLL_S = 0.02
@@ -43,14 +43,30 @@ class InstanceDied(RuntimeError):
     """A prefill or decode instance stopped; the requests it held are named in the message."""
 
 
-def _engine(model_cfg: dict, state: dict, engine_cfg: dict, device: str):
+@contextlib.contextmanager
+def _instance(rank: int, name: str, addr, port, model_cfg: dict, state: dict, engine_cfg: dict, device: str, out):
+    """What both instances do around their loop, in their own process: one thread, the process group joined (as
+    ``rank``), the model rebuilt from its config and weights, a colocated ``LLMEngine`` on it whose every step's
+    trace goes to the router; at the end, the group left (an error is printed and the process exits with 1).
+    Yields (the engine, the router's process id: when ``os.getppid()`` differs, the router is gone)."""
     from minibatch.engine.config import EngineConfig
     from minibatch.engine.engine import LLMEngine
     from minibatch.model.model import GPT, GPTConfig
-    model = GPT(GPTConfig(**model_cfg))
-    model.load_state_dict(state)
-    model = model.to(device=device, dtype=state["wte.weight"].dtype).eval()
-    return LLMEngine(model, EngineConfig(**{**engine_cfg, "disaggregated": False}))
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    comm.init(rank, 2, addr, port, device)
+    try:
+        model = GPT(GPTConfig(**model_cfg))
+        model.load_state_dict(state)
+        model = model.to(device=device, dtype=state["wte.weight"].dtype).eval()
+        eng = LLMEngine(model, EngineConfig(**{**engine_cfg, "disaggregated": False}))
+        eng.add_hook(_trace_hook(out, name, eng))            # a step's trace: a few KB through the queue
+        yield eng, parent
+    except Exception:
+        traceback.print_exc()
+        raise SystemExit(1)
+    finally:
+        comm.shutdown()
 
 
 def _drain(q, block: bool):
@@ -80,15 +96,10 @@ def _trace_hook(out, name, eng):
 
 
 def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_decode) -> None:
-    torch.set_num_threads(1)
-    parent = os.getppid()
-    comm.init(PREFILL_RANK, 2, addr, port, device)
-    try:
-        eng = _engine(model_cfg, state, engine_cfg, device)
+    with _instance(PREFILL_RANK, "prefill", addr, port, model_cfg, state, engine_cfg, device, out) as (eng, parent):
         goes_on: dict = {}                        # request id -> its real params, for those that decode elsewhere
         sender = KVSender(eng.kv_cache, eng.config.block_size, wants=lambda seq: seq.request_id in goes_on)
         eng.scheduler.kv_connector = sender
-        eng.add_hook(_trace_hook(out, "prefill", eng))        # a step's trace: a few KB through the queue
         out.put(("ready",))
 
         def header(seq, shape, tr):
@@ -123,11 +134,6 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
             except RuntimeError as e:         # the decode instance is gone: its blocks here are free already
                 out.put(("decode_lost", str(e)))
                 sender.pending.clear()
-    except Exception:
-        traceback.print_exc()
-        raise SystemExit(1)
-    finally:
-        comm.shutdown()
 
 
 def handoff_header(seq, params, tr, shape=None) -> dict:
@@ -141,39 +147,21 @@ def handoff_header(seq, params, tr, shape=None) -> dict:
             "generator_state": None if g is None else g.get_state(), "transfer": tr}
 
 
-def admit_prefilled(eng, hdr: dict, kv: torch.Tensor) -> bool:
-    """A request whose prompt was computed elsewhere joins the running batch, its K/V written into fresh (or
-    prefix-cached) blocks. False: no room now (a seat or the blocks), try again after a step."""
-    sched, alloc, prompt_ids = eng.scheduler, eng.allocator, hdr["prompt_ids"]
-    if len(sched.running) >= eng.config.max_num_seqs or not alloc.can_allocate(prompt_ids):
+def admit_handoff(eng, hdr: dict, kv: torch.Tensor) -> bool:
+    """``LLMEngine.admit_prefilled`` for a request that arrived with ``handoff_header``'s header (this unpacks
+    what that packs), the blocks its K/V went to recorded on its Transfer. False: no room now, try again after a
+    step."""
+    table = eng.admit_prefilled(hdr["request_id"], hdr["prompt"], hdr["prompt_ids"], hdr["first_token"],
+                                hdr["params"], kv, arrival_time=hdr["arrival_time"],
+                                first_token_time=hdr["first_token_time"], generator_state=hdr["generator_state"])
+    if table is None:
         return False
-    rid = hdr["request_id"]
-    req = Request(rid, hdr["prompt"], list(prompt_ids), hdr["params"], arrival_time=hdr["arrival_time"],
-                  arrival_order=eng._num_added)
-    if hdr["generator_state"] is not None:                 # a seeded request draws on where the first draw left it
-        req.generators[0].set_state(hdr["generator_state"])
-    req.metrics.first_scheduled_time = req.metrics.first_token_time = hdr["first_token_time"]
-    seq = Sequence(rid, req, 0, list(prompt_ids) + [hdr["first_token"]], status=SequenceStatus.RUNNING)
-    cached = alloc.allocate(rid, prompt_ids)              # prefix hits hold the same K/V already: not rewritten
-    table = alloc.block_table(rid)
-    scatter_prompt(eng.kv_cache, table, cached, kv, eng.config.block_size)
-    seq.num_computed_tokens, seq.num_cached_tokens = len(prompt_ids), cached
-    alloc.mark_computed(rid, len(prompt_ids), seq.token_ids)
-    req.seqs.append(seq)
-    eng.requests[rid] = req
-    eng._num_added += 1
-    sched.running.append(seq)
-    hdr["transfer"].dst_blocks = list(table)
+    hdr["transfer"].dst_blocks = table
     return True
 
 
 def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from_prefill) -> None:
-    torch.set_num_threads(1)
-    parent = os.getppid()
-    comm.init(DECODE_RANK, 2, addr, port, device)
-    try:
-        eng = _engine(model_cfg, state, engine_cfg, device)
-        eng.add_hook(_trace_hook(out, "decode", eng))
+    with _instance(DECODE_RANK, "decode", addr, port, model_cfg, state, engine_cfg, device, out) as (eng, parent):
         out.put(("ready",))
         arrived, aborted = [], set()                       # (header, kv) received, not yet admitted
         while True:
@@ -195,7 +183,7 @@ def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from
             for hdr, kv in arrived:
                 if hdr["request_id"] in aborted:
                     continue
-                if admit_prefilled(eng, hdr, kv):
+                if admit_handoff(eng, hdr, kv):
                     out.put(("arrived", hdr["request_id"], hdr["transfer"].dst_blocks, time.perf_counter()))
                 else:
                     still.append((hdr, kv))
@@ -203,8 +191,3 @@ def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from
             if eng.has_unfinished_requests():
                 for o in eng.step():
                     out.put(("output", o))
-    except Exception:
-        traceback.print_exc()
-        raise SystemExit(1)
-    finally:
-        comm.shutdown()

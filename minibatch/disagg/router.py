@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 from minibatch.distributed import comm
 from minibatch.disagg.instance import INSTANCES, POLL_S, InstanceDied, _drain, decode_main, prefill_main
+from minibatch.engine.engine import check_prompt
 from minibatch.sampling.sampler import SamplingParams
-from minibatch.model.tokenizer import decode, encode
 from minibatch.trace import StepTrace
 
 
@@ -86,18 +86,8 @@ class DisaggregatedEngine:
         params, request_id = params or SamplingParams(), str(request_id)
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if isinstance(prompt, str):
-            prompt_ids = encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 256 for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            raise TypeError("prompt must be a str or a list of token ids in [0, 256)")
-        n_ctx, bs = self.model.config.n_ctx, self.config.block_size
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > n_ctx:
-            raise ValueError(f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds the context length {n_ctx}")
+        _, prompt_ids = check_prompt(request_id, prompt, params, self.model.config.n_ctx)    # as an engine would
+        bs = self.config.block_size
         if -(-(len(prompt_ids) + params.max_tokens) // bs) > self.num_blocks:
             raise ValueError(f"request {request_id!r} needs more blocks than an instance's cache has "
                              f"({self.num_blocks}): it could never finish")

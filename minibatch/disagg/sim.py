@@ -9,15 +9,15 @@ clock (``LLMEngine.simulated_time``), and the next step taken is always the one 
   idle), runs them with max_tokens = 1, and its KV connector gathers each prompt's K/V as the real one does;
 * a transfer is ready on the decode side ``bytes / interconnect bandwidth`` after the prefill step that made
   it, the bytes being the *simulated* model's K/V (``ModelProfile.kv_bytes_per_token`` x prompt tokens);
-* the decode engine admits ready transfers (``admit_prefilled``, the real pair's code) and decodes; idle, its
-  clock jumps to the next ready transfer.
+* the decode engine admits ready transfers (``LLMEngine.admit_prefilled``, by way of ``admit_handoff``: the real
+  pair's code) and decodes; idle, its clock jumps to the next ready transfer.
 Tokens still come from the tiny model, so outputs equal colocated ones; only the clock is simulated.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from minibatch.disagg.instance import admit_prefilled, handoff_header
+from minibatch.disagg.instance import admit_handoff, handoff_header
 from minibatch.distributed.kv_transfer import KVSender
 
 
@@ -62,7 +62,7 @@ def run_disaggregated_simulated(model, workload, simulate: str, temperature: flo
             dec.simulated_time = d_next
             waiting = []
             for ready, hdr, kv in sorted(in_flight, key=lambda x: x[0]):
-                if ready > dec.simulated_time or not admit_prefilled(dec, hdr, kv):
+                if ready > dec.simulated_time or not admit_handoff(dec, hdr, kv):
                     waiting.append((ready, hdr, kv))
             in_flight = waiting
             if dec.has_unfinished_requests():

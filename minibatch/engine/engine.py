@@ -25,9 +25,10 @@ from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
 from minibatch.sampling.sampler import SamplingParams
 from minibatch.engine.scheduler import Scheduler
-from minibatch.engine.sequence import Request, Sequence
+from minibatch.engine.sequence import Request, Sequence, SequenceStatus
 from minibatch.engine.static_scheduler import StaticScheduler
 from minibatch.engine import threads
+from minibatch.distributed.kv_transfer import scatter_prompt
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
@@ -35,6 +36,24 @@ from minibatch.model.tokenizer import decode, encode
 from minibatch.engine.proposers import make_proposer
 from minibatch.spec_decode.typical import typical_params
 from minibatch.trace import make_trace
+
+
+def check_prompt(request_id: str, prompt, params: SamplingParams, n_ctx: int) -> tuple[str, list[int]]:
+    """(the prompt as text, as token ids), or the error a prompt no engine could serve gets: not a str or a list
+    of byte token ids, empty, or longer with its max_tokens than the context. ``LLMEngine.add_request`` and the
+    disaggregated router (``disagg/router.py``) both check a request with this."""
+    if isinstance(prompt, str):
+        prompt_ids = encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 256 for t in prompt):
+        prompt_ids, prompt = list(prompt), decode(prompt)
+    else:
+        raise TypeError("prompt must be a str or a list of token ids in [0, 256)")
+    if not prompt_ids:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    if len(prompt_ids) + params.max_tokens > n_ctx:
+        raise ValueError(f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + max_tokens "
+                         f"({params.max_tokens}) exceeds the context length {n_ctx}")
+    return prompt, prompt_ids
 
 
 class LLMEngine:
@@ -97,18 +116,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if isinstance(prompt, str):
-            prompt_ids = encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 256 for t in prompt):
-            prompt_ids, prompt = list(prompt), decode(prompt)
-        else:
-            raise TypeError("prompt must be a str or a list of token ids in [0, 256)")
-        n_ctx = self.model.config.n_ctx
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > n_ctx:
-            raise ValueError(f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds the context length {n_ctx}")
+        prompt, prompt_ids = check_prompt(request_id, prompt, params, self.model.config.n_ctx)
         req = Request(request_id, prompt, prompt_ids, params, priority,
                       time.perf_counter() if arrival_time is None else arrival_time, self._num_added)
         seq = Sequence(request_id if params.n == 1 else f"{request_id}.0", req, 0, list(prompt_ids),
@@ -118,6 +126,33 @@ class LLMEngine:
         self.requests[request_id] = req
         self._num_added += 1
         self.scheduler.add(seq)
+
+    def admit_prefilled(self, request_id: str, prompt: str, prompt_ids: list, first_token: int,
+                        params: SamplingParams, kv: torch.Tensor, arrival_time: float, first_token_time: float,
+                        generator_state: Optional[torch.Tensor] = None) -> Optional[list]:
+        """A request whose prompt was prefilled elsewhere (a disaggregated prefill instance, ``disagg/``) joins
+        the running batch with its first token, its prompt's K/V ``kv`` [L, 2, n, Hkv, D] written here into fresh
+        (or prefix-cached) blocks; a seeded request's generator goes on from ``generator_state``. Returns the
+        request's block table; None: no room now (a seat or the blocks), try again after a step."""
+        sched, alloc = self.scheduler, self.allocator
+        if len(sched.running) >= self.config.max_num_seqs or not alloc.can_allocate(prompt_ids):
+            return None
+        req = Request(request_id, prompt, list(prompt_ids), params, arrival_time=arrival_time,
+                      arrival_order=self._num_added)
+        if generator_state is not None:                    # a seeded request draws on where the first draw left it
+            req.generators[0].set_state(generator_state)
+        req.metrics.first_scheduled_time = req.metrics.first_token_time = first_token_time
+        seq = Sequence(request_id, req, 0, list(prompt_ids) + [first_token], status=SequenceStatus.RUNNING)
+        cached = alloc.allocate(request_id, prompt_ids)    # prefix hits hold the same K/V already: not rewritten
+        table = alloc.block_table(request_id)
+        scatter_prompt(self.kv_cache, table, cached, kv, self.config.block_size)
+        seq.num_computed_tokens, seq.num_cached_tokens = len(prompt_ids), cached
+        alloc.mark_computed(request_id, len(prompt_ids), seq.token_ids)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self._num_added += 1
+        sched.running.append(seq)
+        return list(table)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also at exit); an engine without them has nothing to stop."""

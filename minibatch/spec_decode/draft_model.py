@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from minibatch.sampling.sampler import make_generator, probabilities
+from minibatch.sampling.sampler import probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache
@@ -32,13 +32,6 @@ class DraftModelProposer(Proposer):
         mc = draft.config
         self.kv_cache = KVCache(mc.n_layer, num_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
                                 dtype=draft.dtype, device=draft.device)
-        self.generators: dict = {}                        # seq id -> the draft's own sampling generator
-
-    def _generator(self, seq):
-        """A seeded request drafts from its own seeded generator, so its output is reproducible in any batch."""
-        if seq.params.seed is not None and seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
-        return self.generators.get(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
@@ -95,4 +88,4 @@ class DraftModelProposer(Proposer):
     def free(self, seq) -> None:
         if self.allocator.has_seq(seq.seq_id):
             self.allocator.free(seq.seq_id)
-        self.generators.pop(seq.seq_id, None)
+        super().free(seq)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.sampling.sampler import make_generator, probabilities
+from minibatch.sampling.sampler import probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.spec_decode.eagle_tree import draft_trees, entries_per_seq
 from minibatch.spec_decode.proposer import Proposer, proposal_budget
@@ -56,7 +56,6 @@ class EagleProposer(Proposer):
         self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
         self.state: dict = {}            # seq id -> (entries written for positions < n, f_{n-1} [C])
         self.finished: set = set()       # finished this step: their state goes once their entries are written
-        self.generators: dict = {}
         self.target_allocator = self.scratch = None
 
     def _entries(self, k: int) -> int:
@@ -70,11 +69,6 @@ class EagleProposer(Proposer):
         self.target_allocator = allocator
         self.scratch = ScratchTables(kv_cache, first_scratch_block, num_scratch_blocks, self.block_size,
                                      [self.layer])
-
-    def _generator(self, seq):
-        if seq.params.seed is not None and seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
-        return self.generators.get(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, seqs, runner_output, scheduler_output) -> None:
@@ -171,7 +165,7 @@ class EagleProposer(Proposer):
     def free(self, seq) -> None:
         """A preempted sequence is forgotten now; a finished one after this step's catch-up, which still writes
         its last entries (from f_{c0-1}, kept in its state) into blocks the prefix cache may hand out again."""
-        self.generators.pop(seq.seq_id, None)
+        super().free(seq)
         if seq.is_finished:
             self.finished.add(seq.seq_id)
         else:

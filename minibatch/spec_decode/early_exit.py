@@ -64,7 +64,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.sampling.sampler import make_generator, probabilities
+from minibatch.sampling.sampler import probabilities
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.kv_cache import slot_mapping as _slot_mapping
 from minibatch.spec_decode.proposer import MidStackStart, Proposer, proposal_budget
@@ -89,7 +89,6 @@ class EarlyExitProposer(Proposer):
         self.backend, self.block_size = engine_config.attention_backend, engine_config.block_size
         self.kv_reuse = kv_reuse
         self.target_allocator = self.scratch = None
-        self.generators: dict = {}
         self.state: dict = {}             # seq id -> _Drafted, for the sequences of the last propose call only
         self.hidden = None                # [B, k, C]: their residual streams after E blocks, pass by pass
         self.slots = None                 # [sum n]: where their K/V lie in scratch, sequence after sequence
@@ -103,12 +102,6 @@ class EarlyExitProposer(Proposer):
         self.target_allocator = allocator
         self.scratch = ScratchTables(kv_cache, first_scratch_block, num_scratch_blocks, self.block_size,
                                      range(self.E))
-
-    def _generator(self, seq):
-        """A seeded request drafts from its own seeded generator, so its output is reproducible in any batch."""
-        if seq.params.seed is not None and seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
-        return self.generators.get(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, seqs, runner_output=None, scheduler_output=None) -> None:
@@ -206,5 +199,5 @@ class EarlyExitProposer(Proposer):
         return MidStackStart(self.E, num_rows, hidden)                 # hidden [R, C]
 
     def free(self, seq) -> None:
-        self.generators.pop(seq.seq_id, None)
+        super().free(seq)
         self.state.pop(seq.seq_id, None)

@@ -32,6 +32,9 @@ import abc
 from dataclasses import dataclass
 from typing import Optional
 
+from minibatch.sampling.sampler import make_generator
+
+
 @dataclass
 class MidStackStart:
     """A verify that starts mid-stack for some rows (LayerSkip's KV reuse, ``early_exit.py``), as a proposer
@@ -54,13 +57,23 @@ class Proposer(abc.ABC):
 
     def __init__(self, k: int):
         self.k = k
+        self.generators: dict = {}   # seq id -> the proposer's own sampling generator (``_generator``)
 
     @abc.abstractmethod
     def propose(self, seqs: list, runner_output, scheduler_output) -> None:
         """Set ``spec_token_ids`` (and ``spec_probs``) on each of ``seqs``: running, in decode."""
 
     def free(self, seq) -> None:
-        """Forget a sequence that finished or was preempted (its drafts are no longer wanted)."""
+        """Forget a sequence that finished or was preempted (its drafts are no longer wanted). A subclass that
+        keeps more per sequence forgets it too, and calls this."""
+        self.generators.pop(seq.seq_id, None)
+
+    def _generator(self, seq):
+        """A seeded request drafts from its own seeded generator, so its output is reproducible in any batch;
+        None for an unseeded one (it draws from the global generator)."""
+        if seq.params.seed is not None and seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = make_generator(seq.params.seed + 7919 * (seq.index + 1))
+        return self.generators.get(seq.seq_id)
 
     # A proposer that drafts inside the target's KV cache (early exit, EAGLE) asks the engine for room there:
     extra_kv_layers = 0              # cache layers of its own, after the target's (EAGLE's head)
