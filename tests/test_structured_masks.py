@@ -3,7 +3,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from minibatch.sampling.structured.backend import LLGuidanceMatcher, compile_grammar
 from minibatch.sampling.structured.matcher import advance, row_masks
@@ -28,12 +28,15 @@ REGEXES = st.recursive(LEAVES, _combine, max_leaves=6)
 
 @settings(max_examples=150, deadline=None)
 @given(regex=REGEXES, text=st.text(alphabet="abc01 .+xd\n", max_size=8))
+@example(regex="((a){2,})*", text="a")          # a skip once landed inside an inner loop: one "a" matched
+@example(regex="((a){2,}){0,2}", text="aaa")
 def test_teaching_dfa_matches_what_python_re_matches(regex, text):
     assert DFA(regex).matches(text.encode()) == (re.fullmatch(regex, text) is not None)
 
 
 @settings(max_examples=120, deadline=None)
 @given(regex=REGEXES, walk=st.lists(st.integers(0, 255), max_size=10))
+@example(regex="((a){2,})*", walk=[0])
 def test_teaching_and_library_masks_agree(regex, walk):
     """Walk both matchers over the same bytes (each drawn byte, or an allowed one when it is refused): at every
     step the 256-wide masks and the accepting flags are equal."""

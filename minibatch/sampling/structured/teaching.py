@@ -198,13 +198,19 @@ class NFA:
             if hi is None and k == max(lo, 1) - 1:
                 self.eps[b].append(a)          # the last copy loops: x{m,} = x^(m-1) x+
             e = b
+        # Every skip lands on a fresh state, never on a copy's end: that end may have an edge back into the copy
+        # (an inner loop, as in (a{2,})*), and a skip onto it would let a partial copy count as a whole one.
+        end = self._new()
+        self.eps[e].append(end)
         if hi is None and lo == 0:             # x* = (x+)?
-            self.eps[s].append(e)
+            self.eps[s].append(end)
+        e = end
         for _ in range((hi - lo) if hi is not None else 0):
             a, b = self._build(child)
-            self.eps[e].append(a)
-            self.eps[e].append(b)              # skip this optional copy
-            e = b
+            end = self._new()
+            self.eps[e] += [a, end]            # this optional copy, or skip it
+            self.eps[b].append(end)
+            e = end
         return s, e
 
     def closure(self, states) -> frozenset:
