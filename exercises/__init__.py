@@ -49,6 +49,8 @@ class Piece:
     helpers: tuple = ()  # more reference definitions in ``module`` that a student release leaves out
     also: tuple = ()     # more functions the student writes, under the reference's own names in ``module``:
                          # each is tested, patched into the engine and held out of a release like ``func``
+    routes: tuple = ()   # (helper, return expression): a helper that a release keeps as a stand-in whose body
+                         # computes through the student's function, so no other reference does the part's work
 
     @property
     def reference_name(self) -> str:
@@ -69,9 +71,12 @@ PIECES = {p.name: p for p in (
     Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends",
           "paged attention", ref_func="paged_attention_loop"),
     Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampling.sampler", "top-k / top-p",
-          helpers=("top_k_top_p_batched",)),
+          helpers=("top_k_top_p_batched",),
+          routes=(("top_k_top_p_batched", "top_k_top_p_rows(logits, top_k, top_p, apply_top_k_top_p)"),)),
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
-          "rejection sampler", helpers=("rejection_sample_batched",)),
+          "rejection sampler", helpers=("rejection_sample_batched",),
+          routes=(("rejection_sample_batched", "rejection_sample(draft_token_ids, draft_probs, target_probs, "
+                                               "generators, num_draft_tokens=num_draft_tokens, greedy=greedy)"),)),
     Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),
@@ -101,8 +106,10 @@ def in_order(names) -> list:
 CALL_SITES = {
     "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.metadata", "_slot_mapping")],
     "paged_attention": [("minibatch.kv.backends", "paged_attention_loop")],     # the "loop" backend
-    "top_k_top_p": [("minibatch.sampling.sampler", "apply_top_k_top_p")],            # called by probabilities()
-    "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"), ("minibatch.engine.model_runner", "rejection_sample")],
+    # called by probabilities(); an engine built while the patch holds samples with it (its sampling part)
+    "top_k_top_p": [("minibatch.sampling.sampler", "apply_top_k_top_p"), ("minibatch.engine.engine", "TOP_K_TOP_P")],
+    "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"),
+                          ("minibatch.engine.engine", "REJECTION_SAMPLE")],
     "ngram": [("minibatch.spec_decode.ngram", "ngram_propose")],
     # the engine reads these as tree.<name> at each call (attention.py, model_runner.py), and tree.mask_bits
     # calls ancestor_mask, so rebinding them in the tree module reaches every use

@@ -99,14 +99,19 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert [out[i] for i in (0, 2, 3, 4)] == [top[i] for i in (0, 2, 3, 4)]
 
 
-def test_a_patched_top_k_top_p_is_what_the_sampler_calls(monkeypatch):
-    """exercises.patch_engine rebinds sampler.apply_top_k_top_p: the sampler must then call it, row by row."""
+def test_a_sampler_built_with_a_row_filter_calls_it_row_by_row_and_the_default_never_does(monkeypatch):
+    """The engine chooses its filter when it is built (a student's, exercise 3): Sampler(seed, top_k_top_p=f) calls f
+    row by row; the default Sampler is the batched reference and reads no module global on its way."""
     calls = []
 
     def student(logits, top_k, top_p):
         calls.append((top_k, top_p))
         return apply_top_k_top_p(logits, top_k, top_p)
-    monkeypatch.setattr(sampler_mod, "apply_top_k_top_p", student)
-    Sampler(0)(torch.randn(3, 256), [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams()],
-               [None] * 3)
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams()]
+    logits = torch.randn(3, 256)
+    Sampler(0, top_k_top_p=student)(logits, params, [None] * 3)
     assert calls == [(5, 1.0), (-1, 0.5), (-1, 1.0)]
+    calls.clear()
+    monkeypatch.setattr(sampler_mod, "apply_top_k_top_p", student)
+    Sampler(0)(logits, params, [None] * 3)
+    assert calls == []

@@ -193,7 +193,7 @@ def test_student_dir_missing_file_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.engine.engine as engine
-    import minibatch.engine.model_runner as model_runner
+    import minibatch.kv.metadata as metadata
     import minibatch.sampling.sampler as sampler
     import minibatch.engine.scheduler as scheduler
     import minibatch.kv.attention as attention
@@ -204,9 +204,9 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.spec_decode.ngram as ngram
     import minibatch.spec_decode.rejection_sampler as speculative
     import minibatch.kv.tree as tree
-    sites = [(kv_cache, "slot_mapping"), (attention, "_slot_mapping"), (backends, "paged_attention_loop"),
-             (sampler, "apply_top_k_top_p"), (speculative, "rejection_sample"),
-             (model_runner, "rejection_sample"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
+    sites = [(kv_cache, "slot_mapping"), (metadata, "_slot_mapping"), (backends, "paged_attention_loop"),
+             (sampler, "apply_top_k_top_p"), (engine, "TOP_K_TOP_P"), (speculative, "rejection_sample"),
+             (engine, "REJECTION_SAMPLE"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
              (draft_model, "BlockAllocator"), (scheduler, "Scheduler"), (engine, "Scheduler"),
              (tree, "ancestor_mask"), (tree, "positions"), (tree, "greedy_path"), (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
@@ -221,7 +221,7 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
         assert engine.StaticScheduler._fill is static._fill
         assert len(patch.changes) >= len(sites)
         # the engine's own entry points now reach the student's code: metadata -> slot mapping
-        md = attention.AttentionMetadata.build([[5, 2], [7]], [3, 0], [3, 2], 4)
+        md = attention.AttentionMetadata.build([[5, 2], [7]], [3, 0], [3, 2], 4)    # kv/metadata.py's
         assert md.slot_mapping.tolist() == [23, 8, 9, 28, 29]
     assert [getattr(m, a) for m, a in sites] == before and engine.StaticScheduler is static
 

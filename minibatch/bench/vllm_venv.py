@@ -10,8 +10,12 @@ torchcodec, which a text model never imports; torchvision 0.28 fails to register
 against the CPU torch and takes ``import vllm`` down with it, so they are uninstalled. The install
 downloads about 1 GB and took 3 min 9 s on this 2-core machine while it was busy.
 
-``torch==2.13.0+cpu`` is not on PyPI (a local version): pip finds it through PyTorch's CPU index, added as an
-extra index (``MINIBATCH_VLLM_EXTRA_INDEX``, empty for none, e.g. where pip.conf has a local wheel).
+The venv sees this environment's packages (``--system-site-packages``, as guidellm's does), so the CPU torch
+already here is vLLM's torch and nothing of it is downloaded again; vLLM's own pins install inside the venv and
+shadow this environment's there only. ``torch==2.13.0+cpu`` is not on PyPI (a local version): only where the torch
+present is not a CPU build does pip need PyTorch's CPU index, added then as an extra index
+(``MINIBATCH_VLLM_EXTRA_INDEX`` overrides it, empty for none). On a machine that reaches PyPI alone, an
+unreachable extra index cost a fresh clone over 20 minutes of retries, once per package.
 """
 from __future__ import annotations
 
@@ -81,6 +85,22 @@ def problem(python: Optional[pathlib.Path] = None) -> Optional[str]:
     return None
 
 
+def torch_is_cpu_build() -> bool:
+    """Whether this environment's torch (the one the venv sees) is a CPU build: then no index but PyPI is needed."""
+    import importlib.metadata as md
+    try:
+        return md.version("torch").endswith("+cpu")
+    except md.PackageNotFoundError:
+        return False
+
+
+def extra_index() -> str:
+    """PyTorch's CPU index, where the torch present is not a CPU build; MINIBATCH_VLLM_EXTRA_INDEX overrides it."""
+    if "MINIBATCH_VLLM_EXTRA_INDEX" in os.environ:
+        return os.environ["MINIBATCH_VLLM_EXTRA_INDEX"]
+    return "" if torch_is_cpu_build() else TORCH_CPU_INDEX
+
+
 def _pip(python: pathlib.Path, *args: str) -> None:
     subprocess.run([str(python), "-m", "pip", *args], check=True)
 
@@ -98,8 +118,8 @@ def setup(log=print) -> int:
     log(f"making the vLLM venv at {venv} ({why})")
     try:
         if not (venv / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        index = os.environ.get("MINIBATCH_VLLM_EXTRA_INDEX", TORCH_CPU_INDEX)
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        index = extra_index()
         _pip(venv / "bin" / "python", "install", "-q", *PINS, *(["--extra-index-url", index] if index else []))
         _pip(venv / "bin" / "python", "uninstall", "-q", "-y", *DROP)
     except (subprocess.CalledProcessError, OSError) as e:

@@ -23,7 +23,7 @@ from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
-from minibatch.sampling.sampler import SamplingParams
+from minibatch.sampling.sampler import Sampler, SamplingParams
 from minibatch.engine.scheduler import Scheduler
 from minibatch.engine.sequence import Request, Sequence, SequenceStatus
 from minibatch.engine.static_scheduler import StaticScheduler
@@ -56,8 +56,17 @@ def check_prompt(request_id: str, prompt, params: SamplingParams, n_ctx: int) ->
     return prompt, prompt_ids
 
 
+# The sampling parts an engine is built with unless it is given its own (``LLMEngine(..., top_k_top_p=f,
+# rejection_sample=g)``): None is the reference (the batched filter; the batched rejection sampler, greedy rows by
+# argmax). ``exercises.patch_engine`` puts a student's function here, so that every engine built while it holds
+# samples (exercise 3) or verifies (exercise 4) with it. Read once per engine, never per step.
+TOP_K_TOP_P = None
+REJECTION_SAMPLE = None
+
+
 class LLMEngine:
-    def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), draft_model: Optional[GPT] = None):
+    def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), draft_model: Optional[GPT] = None, *,
+                 top_k_top_p=None, rejection_sample=None):
         c, mc = config, model.config
         threads.apply(c.num_threads, model)        # CPU: threads from the model's size, or as asked
         num_blocks = c.num_blocks_for(mc.n_ctx)
@@ -95,6 +104,8 @@ class LLMEngine:
                                         hidden_states=self.proposer.hidden_states if self.proposer else (),
                                         all_hidden=bool(self.proposer and self.proposer.all_hidden),
                                         typical=typical_params(c.speculative_config), proposer=self.proposer,
+                                        sampler=Sampler(c.seed, top_k_top_p or TOP_K_TOP_P),
+                                        rejection_sampler=rejection_sample or REJECTION_SAMPLE,
                                         graphs=make_graph_runner(c, model, self.kv_cache,
                                                                  bool(self.proposer and self.proposer.hidden_states)))
         self.requests: dict[str, Request] = {}     # unfinished requests only: a finished one is forgotten
@@ -188,7 +199,8 @@ class LLMEngine:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
         changed, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        logprobs.record(scheduler_output, runner_output)
+        if runner_output.logprobs or runner_output.prompt_logprobs:       # only when a request asked
+            logprobs.record(scheduler_output, runner_output)
         t_propose = time.perf_counter()
         if self.proposer is not None:
             for seq in scheduler_output.preempted + finished:
@@ -206,7 +218,7 @@ class LLMEngine:
             for fn in self.hooks:
                 fn(trace)
         self.step_count += 1
-        lossless = typical_params(self.config.speculative_config) is None
+        lossless = self.model_runner.typical is None
         outputs = [request_output(req, self.proposer is not None, lossless) for req in changed]
         for req in changed:
             if req.finished:                      # its final output is in hand: a server runs for ever

@@ -18,7 +18,8 @@
 4. **sample**: one token per plain row (``Sampler``: one batched filter and one draw), or the rejection
    sampler over 1 + k rows (Leviathan et al. 2023 §2.3), which keeps a prefix of the drafts and adds one
    token of the target's own: every chain of the step in one batched call on the device
-   (``rejection_sample_batched``), or, when another sampler is patched in (exercise 4), through it;
+   (``rejection_sample_batched``), or through the rejection sampler the runner was built with (exercise 4's);
+   a request's sampling controls, its grammar's mask and its logprobs are reached only when it asks for them;
 5. a **token tree** (``kv/tree.py``) is verified the same way, over its 1 + N
    nodes, and keeps one root-to-leaf path; that path's K/V (and hidden states) then
    move to consecutive slots, so the cache holds a plain chain again (``_keep_paths``).
@@ -33,17 +34,14 @@ from typing import Optional
 
 import torch
 
+from minibatch.kv import tree
+from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.sampling import logprobs as lp
 from minibatch.sampling.logits_processors import apply_logits_processors
 from minibatch.sampling.sampler import Sampler, batched_probabilities, probabilities
-from minibatch.kv.attention import AttentionMetadata, PagedAttention
-from minibatch.kv import tree
-from minibatch.spec_decode.rejection_sampler import rejection_sample
 from minibatch.sampling.structured.matcher import apply_grammar_bitmask
-
-# The greedy shortcut in _sample is only known equal to this sampler. (Held in a tuple: exercises.patch_engine
-# rebinds every module attribute that *is* the reference, and this one must keep pointing at it.)
-_REFERENCE_SAMPLER = (rejection_sample,)
+from minibatch.spec_decode.rejection_sampler import rejection_sample_batched, tree_rejection_sample
+from minibatch.spec_decode.typical import typical_accept
 
 
 @dataclass
@@ -65,11 +63,17 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_cache, block_size: int, attention_backend: str, seed: int = 0,
                  scratch_block: Optional[int] = None, hidden_states: tuple = (), all_hidden: bool = False,
-                 typical: Optional[tuple] = None, proposer=None, graphs=None):
+                 typical: Optional[tuple] = None, proposer=None, graphs=None, sampler: Optional[Sampler] = None,
+                 rejection_sampler=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.proposer = proposer             # asked, before a verify, where its rows may start (verify_start)
         self.attention_backend = attention_backend
-        self.sampler = Sampler(seed)
+        # The sampling parts, chosen once, when the engine is built (vLLM's runner builds its Sampler and
+        # RejectionSampler the same way): the sampler (with its top-k/top-p filter), and the rejection sampler:
+        # None, the reference, batched on the device, greedy rows verified by argmax alone; or a function with
+        # ``rejection_sample``'s signature (a student's, exercise 4), which then verifies every chain row.
+        self.sampler = sampler if sampler is not None else Sampler(seed)
+        self.rejection_sampler = rejection_sampler
         self.scratch_block = scratch_block   # static batching: padding rows may write here, outside the pool
         self.hidden_states, self.all_hidden = tuple(hidden_states), all_hidden
         self.typical = typical               # (epsilon, delta): Medusa's typical acceptance, LOSSY (typical.py)
@@ -102,13 +106,18 @@ class ModelRunner:
     @staticmethod
     def _process(logits, scheduled, rows):
         """What every sampled row goes through before the sampler, the greedy argmax and the rejection sampler,
-        eager or replayed: the requests' sampling controls, then the grammar's mask (-inf off-grammar)."""
-        logits = apply_logits_processors(logits.float(), scheduled, rows)
-        return apply_grammar_bitmask(logits, scheduled, rows)
+        eager or replayed: the requests' sampling controls, then the grammar's mask (-inf off-grammar). One hook
+        each, entered only when a request of the step asks for it: a plain step goes straight to the sampler."""
+        logits = logits.float()
+        if any(s.seq.params.has_controls for s in scheduled):
+            logits = apply_logits_processors(logits, scheduled, rows)
+        if any(s.seq.grammar is not None for s in scheduled):
+            logits = apply_grammar_bitmask(logits, scheduled, rows)
+        return logits
 
     def _logprobs(self, result, scheduled, logits) -> None:
         """The logprobs requests ask for (sampling/logprobs.py): their sampled tokens' from the processed
-        target rows, and a prompt's once it is complete."""
+        target rows, and a prompt's once it is complete. Entered only when a request asks."""
         if any(s.seq.params.logprobs is not None for s in scheduled):
             result.logprobs, result.forked_logprobs = lp.sample_logprobs(
                 scheduled, logits, result.logits_rows, result.sampled_token_ids, result.accepted_paths,
@@ -219,9 +228,9 @@ class ModelRunner:
                 sampled[b] = [t]
         # Greedy rows verify by argmax alone: accept drafts while each is the target's argmax, then the argmax
         # after them. That is exactly what the reference rejection sampler does for them (through one-hot p and
-        # q, at ~0.3 ms a step); when another sampler is patched in (a student's, a test's mutant), every row
-        # goes through it instead.
-        fast = [b for b in verify if scheduled[b].seq.params.greedy] if rejection_sample is _REFERENCE_SAMPLER[0] else []
+        # q, at ~0.3 ms a step); a runner built with another rejection sampler (a student's, a test's mutant)
+        # sends every row through it instead.
+        fast = [b for b in verify if scheduled[b].seq.params.greedy] if self.rejection_sampler is None else []
         if fast:
             best = logits[[r for b in fast for r in rows[b]]].argmax(-1).tolist()
             for b in fast:
@@ -251,7 +260,6 @@ class ModelRunner:
             path = tree.greedy_path(parents, tokens, top)
             toks = [tokens[i] for i in path[1:]] + [top[path[-1]]]
         else:
-            from minibatch.spec_decode.rejection_sampler import tree_rejection_sample
             path, toks = tree_rejection_sample(parents, tokens, probabilities(logits.cpu(), s.seq.params),
                                                generator=s.seq.generator)
         return toks, len(path) - 1, path
@@ -282,11 +290,10 @@ class ModelRunner:
         drafts [B, k] (-1 past a row's own k_b), q [B, k, V] from the proposer (None: one-hot drafts), the
         target's p [B, k + 1, V] at the verified rows; returns (tokens per row, drafts accepted per row)."""
         if self.typical is not None:          # opt-in, lossy: accept what the target finds typical enough
-            from minibatch.spec_decode.typical import typical_accept
             res = [typical_accept(s.spec_token_ids, probabilities(logits[r].cpu(), s.seq.params), *self.typical,
                                   generator=s.seq.generator) for s, r in zip(batch, rows)]
             return [t for t, _ in res], [n for _, n in res]
-        if rejection_sample is _REFERENCE_SAMPLER[0] and getattr(rejection_sample, "_held_out", None) is None:
+        if self.rejection_sampler is None:
             return self._verify_batched(batch, logits, rows)
         k, V, B = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch)
         drafts = torch.full((B, k), -1, dtype=torch.long)
@@ -299,7 +306,7 @@ class ModelRunner:
             if q is not None:                 # a row without q (one-hot drafts: greedy, n-gram) beside rows with q
                 q[b, :n] = (s.seq.spec_probs[:n] if s.seq.spec_probs is not None
                             else torch.nn.functional.one_hot(drafts[b, :n], V).to(q.dtype))
-        toks, n_acc = rejection_sample(drafts, q, target, [s.seq.generator for s in batch],
+        toks, n_acc = self.rejection_sampler(drafts, q, target, [s.seq.generator for s in batch],
                                        num_draft_tokens=[len(s.spec_token_ids) for s in batch],
                                        greedy=[s.seq.params.greedy for s in batch])
         n_acc = n_acc.tolist()
@@ -309,12 +316,12 @@ class ModelRunner:
         """The same verification in one batched call on the logits' device (``rejection_sample_batched``):
         p [B, k + 1, V] from one ``batched_probabilities`` over every verified row, q [B, k, V] from the
         proposer's rows (one-hot where a row has none; None when none has any)."""
-        from minibatch.spec_decode.rejection_sampler import rejection_sample_batched
         k, V, B, dev = max(len(s.spec_token_ids) for s in batch), logits.shape[-1], len(batch), logits.device
         ks = [len(s.spec_token_ids) for s in batch]
         idx = [r + [r[0]] * (k + 1 - len(r)) for r in rows]                        # [B, k+1]; padding: never read
         params = [s.seq.params for s in batch for _ in range(k + 1)]
-        target = batched_probabilities(logits[torch.tensor(idx, device=dev).view(-1)], params).view(B, k + 1, V)
+        target = batched_probabilities(logits[torch.tensor(idx, device=dev).view(-1)], params,
+                                       self.sampler.top_k_top_p).view(B, k + 1, V)
         drafts = torch.tensor([s.spec_token_ids + [-1] * (k - n) for s, n in zip(batch, ks)], dtype=torch.long)
         q = None
         if any(s.seq.spec_probs is not None for s in batch):

@@ -26,11 +26,6 @@ import torch
 from minibatch.sampling.sampler import SamplingParams
 
 
-def has_controls(p: SamplingParams) -> bool:
-    return bool(p.logit_bias or (p.min_tokens and p.stop_token_ids) or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty)
-
-
 def _path_drafts(s, j: int) -> list:
     """The drafts generated, in this row's world, before row j of a verify: drafts 0 .. j-1 of a chain, or
     the drafts on the path root -> node j of a tree (``kv/tree.py``: node i > 0 holds draft i - 1)."""
@@ -49,7 +44,7 @@ def row_contexts(scheduled, rows) -> list:
     out = []
     for s, r in zip(scheduled, rows):
         p = s.seq.params
-        if not r or not has_controls(p):
+        if not r or not p.has_controls:
             continue
         prompt, output = s.seq.token_ids[:s.seq.num_prompt_tokens], s.seq.output_token_ids
         out += [(row, p, prompt, output + _path_drafts(s, j)) for j, row in enumerate(r)]

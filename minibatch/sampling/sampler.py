@@ -55,7 +55,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.structured_outputs = structured_outputs_params(self.structured_outputs)   # compiled once, here
+        if self.structured_outputs is not None:        # compiled once, here; a plain request never goes there
+            self.structured_outputs = structured_outputs_params(self.structured_outputs)
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
@@ -104,6 +105,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_controls(self) -> bool:
+        """Whether a logits processor rewrites this request's rows (``sampling/logits_processors.py``)."""
+        return bool(self.logit_bias or (self.min_tokens and self.stop_token_ids) or self.repetition_penalty != 1.0
+                    or self.presence_penalty or self.frequency_penalty)
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits[V] -> logits[V] with every token outside the top-k and the top-p nucleus set to -inf.
@@ -125,9 +132,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         threshold = sorted_p[keep_sorted].min()                 # least probability still inside
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
-
-
-_REFERENCE_FILTER = (apply_top_k_top_p,)      # the batched filter is only known equal to this one (see Sampler)
 
 
 def top_k_top_p_batched(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -161,21 +165,24 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
-def batched_probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:
+def top_k_top_p_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, row_filter) -> torch.Tensor:
+    """``top_k_top_p_batched``'s result, row by row through ``row_filter`` (``apply_top_k_top_p``'s signature:
+    a student's, exercise 3): logits [B, V], top_k [B], top_p [B] -> logits [B, V]."""
+    return torch.stack([row_filter(row, int(k), float(p)) for row, k, p in zip(logits, top_k.tolist(), top_p.tolist())])
+
+
+def batched_probabilities(logits: torch.Tensor, params: list, top_k_top_p=None) -> torch.Tensor:
     """``probabilities`` of many rows at once: logits [R, V], row i under params[i] -> probs [R, V] (one-hot
-    rows for greedy ones), on the logits' device. top-k / top-p is one batched call while apply_top_k_top_p is
-    the reference; a student's (exercise 3, patched in by exercises.patch_engine, or held out in a release)
-    is called row by row."""
+    rows for greedy ones), on the logits' device. top-k / top-p is one batched call (``top_k_top_p_batched``),
+    or, given ``top_k_top_p`` (a row filter with ``apply_top_k_top_p``'s signature: the part an engine was built
+    with, a student's), that function row by row."""
     dev, x = logits.device, logits.float()
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     x = x / torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
     if any((p.top_k and p.top_k > 0) or p.top_p < 1.0 for p in params if not p.greedy):
-        f = apply_top_k_top_p
-        if f is _REFERENCE_FILTER[0] and getattr(f, "_held_out", None) is None:
-            x = top_k_top_p_batched(x, torch.tensor([p.top_k for p in params], device=dev),
-                                    torch.tensor([p.top_p for p in params], device=dev))
-        else:
-            x = torch.stack([row if p.greedy else f(row, p.top_k, p.top_p) for row, p in zip(x, params)])
+        ks = torch.tensor([-1 if p.greedy else p.top_k for p in params], device=dev)        # greedy rows: off
+        ps = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
+        x = top_k_top_p_batched(x, ks, ps) if top_k_top_p is None else top_k_top_p_rows(x, ks, ps, top_k_top_p)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(x.dtype)
     return torch.where(greedy[:, None], one_hot, x.softmax(-1))
 
@@ -218,10 +225,13 @@ def find_stop(output_ids: list[int], stop: list[str], stop_token_ids=()) -> Opti
 
 
 class Sampler:
-    """Samples one token per row; row i follows params[i] and draws from generators[i] (None: the sampler's own)."""
+    """Samples one token per row; row i follows params[i] and draws from generators[i] (None: the sampler's own).
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    ``top_k_top_p``: the filter part, chosen when the engine is built: None, the batched reference
+    (``top_k_top_p_batched``); or a row filter with ``apply_top_k_top_p``'s signature (a student's)."""
+
+    def __init__(self, seed: int = 0, top_k_top_p=None):
+        self.seed, self.top_k_top_p = seed, top_k_top_p
         self._generators = {}                  # device -> the generator of unseeded rows there
 
     @property
@@ -240,7 +250,7 @@ class Sampler:
         if not rand:
             return greedy.tolist()
         dev = logits.device
-        probs = batched_probabilities(logits[rand], [params[i] for i in rand])             # [R, V]
+        probs = batched_probabilities(logits[rand], [params[i] for i in rand], self.top_k_top_p)   # [R, V]
         q = exponential_noise(probs.shape, self._generator(dev), dev)                     # unseeded rows
         for r, i in enumerate(rand):
             if generators[i] is not None:            # its own row from its own generator: batch-independent

@@ -306,7 +306,7 @@ def yours():
 def test_the_engines_metadata_for_a_tree_step_uses_your_positions_and_mask(monkeypatch):
     """AttentionMetadata.build: a tree after 5 cached tokens, a plain decode, a tree after 9: the positions the model
     reads and the per-row bitmaps the attention backends mask by."""
-    import minibatch.kv.attention as attention
+    import minibatch.kv.metadata as attention
     monkeypatch.setattr(attention, "_slot_mapping", slots)
     trees = [EXAMPLE, None, [-1, 0, 1, 1, 0]]
     ctx, new = [5, 3, 9], [6, 1, 5]
@@ -411,7 +411,7 @@ def test_the_engine_decodes_greedily_with_eagle_trees_on_your_functions(target_m
     greedy text equals generation without any cache, token for token. (A toy block pool and scheduler, and the
     slot mapping above: nothing here needs another exercise of yours.)"""
     import minibatch.engine.engine as engine
-    import minibatch.kv.attention as attention
+    import minibatch.kv.metadata as attention
     from minibatch import LLM, SamplingParams
     from minibatch.sampling.reference import generate
     from minibatch.model.tokenizer import encode

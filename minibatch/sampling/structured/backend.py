@@ -1,5 +1,5 @@
-"""The library backend: llguidance (Microsoft's guidance project, Rust; one of vLLM's three structured-output
-backends, with xgrammar and outlines-core).
+"""The library backend: llguidance (Microsoft's guidance project, Rust; one of vLLM's structured-output backends,
+with xgrammar, outlines-core and guidance).
 
 Why llguidance, for a 256-byte vocabulary on this machine:
 - it installs alone: one abi3 wheel and *no* dependencies (xgrammar 0.2.9 pulls in transformers, torch and a
@@ -20,11 +20,28 @@ from __future__ import annotations
 import functools
 import json
 
-import llguidance as llg
 import numpy as np
 import torch
 
 EOS = 256                                     # the matcher's end-of-sequence token: "the grammar may end here"
+INSTALL = "pip install llguidance==1.9.1"     # requirements.txt's pin
+
+
+class StructuredOutputsUnavailable(ImportError, ValueError):
+    """A request asked for structured outputs where llguidance is not installed. A ValueError too, so that the
+    server answers that request 400 (a bad request for this server), while every other request runs."""
+
+
+@functools.cache
+def llguidance():
+    """The library, imported the first time a request asks for it: the rest of the engine runs without it."""
+    try:
+        import llguidance as llg
+    except ImportError as e:
+        raise StructuredOutputsUnavailable(
+            f"structured outputs with backend 'llguidance' need the llguidance package, which is not installed "
+            f"({e}): {INSTALL} (or use backend='teaching' for a regex or a choice)") from None
+    return llg
 
 
 class _ByteTokenizer:
@@ -38,7 +55,9 @@ class _ByteTokenizer:
 
 
 @functools.cache
-def tokenizer() -> "llg.LLTokenizer":
+def tokenizer():
+    """llguidance's LLTokenizer over the 257 tokens."""
+    llg = llguidance()
     # slices=[]: the slicer speeds up masks over 100k-token vocabularies; over 257 it only costs.
     return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer()), slices=[])
 
@@ -46,6 +65,7 @@ def tokenizer() -> "llg.LLTokenizer":
 def compile_grammar(kind: str, spec, disable_any_whitespace: bool = False) -> str:
     """One structured-outputs constraint -> an llguidance grammar, checked: raises ValueError with the library's
     message when it does not compile or admits no string. kind: "json", "regex", "choice" or "grammar"."""
+    llg = llguidance()
     if kind == "json":
         schema = spec if isinstance(spec, str) else json.dumps(spec)
         opts = {"whitespace_flexible": False} if disable_any_whitespace else None
@@ -72,10 +92,10 @@ def compile_grammar(kind: str, spec, disable_any_whitespace: bool = False) -> st
 
 
 @functools.lru_cache(maxsize=256)
-def _start(grammar: str) -> "llg.LLMatcher":
+def _start(grammar: str):
     """A matcher at the grammar's start, made once per grammar (~6 ms: the lexer and parser are built) and only
     ever copied (``deep_copy``, ~1 us), as vLLM's backends cache compiled grammars. Never consumed itself."""
-    return llg.LLMatcher(tokenizer(), grammar, log_level=0)
+    return llguidance().LLMatcher(tokenizer(), grammar, log_level=0)
 
 
 class LLGuidanceMatcher:
