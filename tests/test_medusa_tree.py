@@ -9,7 +9,8 @@ import torch
 
 from minibatch.model.heads import MedusaHeads, load_head
 from minibatch.model.weights import WEIGHTS_DIR, read_manifest
-from minibatch.spec_decode import medusa_tree, tree
+from minibatch.kv import tree
+from minibatch.spec_decode import medusa_tree
 from minibatch.spec_decode.medusa import MedusaProposer
 
 HAVE = (WEIGHTS_DIR / "medusa.safetensors").exists()
