@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
-    g.add_argument("--preset", default="target")
+    g.add_argument("--model", "--preset", dest="preset", default="target",
+                   help="the shipped model: target (GPT-2), llama (RoPE, GQA), draft (--preset: the older name)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
     g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")

@@ -1,16 +1,19 @@
-"""The shipped weights as a Hugging Face GPT-2: the one owner of that conversion.
+"""The shipped weights as a Hugging Face model: the one owner of that conversion.
 
-    python -m minibatch.export hf OUT_DIR [--model target|draft] [--force]
+    python -m minibatch.export hf OUT_DIR [--model target|draft|llama] [--force]
 
-writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``, a ``GPT2LMHeadModel`` directory that
-transformers (``from_pretrained``) and vLLM (``LLM(model=OUT_DIR, skip_tokenizer_init=True)``) load.
+writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``, a ``GPT2LMHeadModel`` (the GPTs) or
+``LlamaForCausalLM`` (the Llama) directory that transformers (``from_pretrained``) and vLLM
+(``LLM(model=OUT_DIR, skip_tokenizer_init=True)``) load.
 The bench peers (``minibatch/bench/peers.py``, ``vllm_peer.py``) and their tests convert through here.
 
 The conversion is exact because the shipped GPT is GPT-2 (``minibatch/model/model.py``): wte, wpe, per
 block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, then ln_f and a head tied to wte.
 transformers' GPT-2 stores those projections as ``Conv1D`` (y = x W + b, W [in, out]) where ``nn.Linear``
 stores W [out, in], so their weights transpose. tanh-GELU is HF's ``"gelu_new"``; the LayerNorm eps is
-copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0. A byte model has no tokenizer files:
+copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0. The Llama (``model/llama.py``) uses
+Hugging Face's module names and rotary convention already, so its conversion is a prefix (``model.``) and its
+config's field names. A byte model has no tokenizer files:
 its token ids are the bytes (``minibatch/model/tokenizer.py``), so a peer takes token ids, not text.
 """
 from __future__ import annotations
@@ -22,16 +25,25 @@ import sys
 
 import torch
 
+from minibatch.model.llama import Llama
 from minibatch.model.model import GPT
 
 PAD = 0                                  # byte 0 (NUL) never occurs in code; peers mask it out anyway
-MODELS = ("target", "draft")             # the shipped GPTs (the speculative heads are not GPT-2s)
+MODELS = ("target", "draft", "llama")    # the shipped models (the speculative heads are not models of their own)
 
 
-def hf_config(model: GPT, n_positions: int | None = None) -> dict:
-    """GPT2Config's fields for `model`; n_positions > n_ctx pads position embeddings (see hf_state_dict)."""
+def hf_config(model, n_positions: int | None = None) -> dict:
+    """The Hugging Face config's fields for `model` (GPT2Config's or LlamaConfig's); for a GPT, n_positions >
+    n_ctx pads position embeddings (see hf_state_dict)."""
+    if isinstance(model, Llama):
+        c = model.config
+        return dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
+                    num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+                    head_dim=c.head_dim, max_position_embeddings=c.n_ctx, rms_norm_eps=c.rms_norm_eps,
+                    rope_theta=c.rope_theta, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                    tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
     if not isinstance(model, GPT):
-        raise TypeError(f"the conversion needs a minibatch GPT, got {type(model).__name__}")
+        raise TypeError(f"the conversion needs a minibatch GPT or Llama, got {type(model).__name__}")
     c = model.config
     n_positions = c.n_ctx if n_positions is None else n_positions
     if n_positions < c.n_ctx:
@@ -42,13 +54,17 @@ def hf_config(model: GPT, n_positions: int | None = None) -> dict:
                 bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
 
 
-def hf_state_dict(model: GPT, n_positions: int | None = None) -> dict:
-    """``GPT2LMHeadModel``'s tensors (float32, CPU), the head left out: it is tied to transformer.wte.
+def hf_state_dict(model, n_positions: int | None = None) -> dict:
+    """``GPT2LMHeadModel``'s (or ``LlamaForCausalLM``'s) tensors (float32, CPU), the head left out: it is tied to
+    the token embedding.
 
     n_positions > n_ctx appends zero position embeddings, for padded static batches only: a member that
     finished keeps computing thrown-away tokens until the batch's longest is done, and may run past the
     n_ctx learned positions; its useful tokens never do (prompt + max_tokens <= n_ctx).
     """
+    if isinstance(model, Llama):
+        return {f"model.{name}": t.detach().to("cpu", torch.float32).contiguous()
+                for name, t in model.state_dict().items()}
     c, n_positions = model.config, hf_config(model, n_positions)["n_positions"]
     state = {}
     for name, t in model.state_dict().items():
@@ -60,20 +76,26 @@ def hf_state_dict(model: GPT, n_positions: int | None = None) -> dict:
     return state
 
 
-def to_hf(model: GPT, n_positions: int | None = None):
-    """The same weights as a transformers ``GPT2LMHeadModel`` (float32, CPU, eval mode, dropout 0)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    hf = GPT2LMHeadModel(GPT2Config(**hf_config(model, n_positions)))
+def to_hf(model, n_positions: int | None = None):
+    """The same weights as a transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (float32, CPU, eval mode,
+    dropout 0)."""
+    if isinstance(model, Llama):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        hf = LlamaForCausalLM(LlamaConfig(**hf_config(model)))
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        hf = GPT2LMHeadModel(GPT2Config(**hf_config(model, n_positions)))
     missing, unexpected = hf.load_state_dict(hf_state_dict(model, n_positions), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"conversion mismatch: missing {missing}, unexpected {unexpected}")
-    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
-        raise RuntimeError("the converted LM head is not tied to wte")
+    if hf.lm_head.weight.data_ptr() != hf.get_input_embeddings().weight.data_ptr():
+        raise RuntimeError("the converted LM head is not tied to the token embedding")
     return hf.eval().requires_grad_(False)
 
 
-def export_hf(model: GPT, out_dir, force: bool = False) -> pathlib.Path:
-    """Write `model` as a GPT2LMHeadModel directory (config.json, model.safetensors); transformers not needed."""
+def export_hf(model, out_dir, force: bool = False) -> pathlib.Path:
+    """Write `model` as a GPT2LMHeadModel or LlamaForCausalLM directory (config.json, model.safetensors);
+    transformers not needed."""
     from safetensors.torch import save_file
     out = pathlib.Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -81,8 +103,8 @@ def export_hf(model: GPT, out_dir, force: bool = False) -> pathlib.Path:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ValueError(f"{out} is not empty; pass --force (force=True) to write over it")
     out.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "torch_dtype": "float32",
-              **hf_config(model)}
+    arch, kind = ("LlamaForCausalLM", "llama") if isinstance(model, Llama) else ("GPT2LMHeadModel", "gpt2")
+    config = {"architectures": [arch], "model_type": kind, "torch_dtype": "float32", **hf_config(model)}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -91,7 +113,8 @@ def export_hf(model: GPT, out_dir, force: bool = False) -> pathlib.Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minibatch.export", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="format", required=True)
-    hf = sub.add_parser("hf", help="a transformers GPT2LMHeadModel directory (config.json + model.safetensors)")
+    hf = sub.add_parser("hf", help="a transformers GPT2LMHeadModel or LlamaForCausalLM directory (config.json + "
+                                   "model.safetensors)")
     hf.add_argument("out_dir")
     hf.add_argument("--model", default="target", help=f"shipped model: one of {list(MODELS)}")
     hf.add_argument("--force", action="store_true", help="write into a non-empty directory")
@@ -104,7 +127,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.model} as GPT2LMHeadModel to {out}/ (config.json, model.safetensors)")
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"wrote {args.model} as {arch} to {out}/ (config.json, model.safetensors)")
     return 0
 
 

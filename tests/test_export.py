@@ -40,7 +40,7 @@ def test_export_needs_no_transformers(tmp_path, target_model, monkeypatch):
 
 def test_bad_exports_are_clear_errors(tmp_path, capsys):
     assert export.main(["hf", str(tmp_path / "x"), "--model", "medusa"]) == 2
-    assert "unknown model 'medusa'; choose one of ['target', 'draft']" in capsys.readouterr().err
+    assert "unknown model 'medusa'; choose one of ['target', 'draft', 'llama']" in capsys.readouterr().err
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")

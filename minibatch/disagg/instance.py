@@ -51,14 +51,14 @@ def _instance(rank: int, name: str, addr, port, model_cfg: dict, state: dict, en
     Yields (the engine, the router's process id: when ``os.getppid()`` differs, the router is gone)."""
     from minibatch.engine.config import EngineConfig
     from minibatch.engine.engine import LLMEngine
-    from minibatch.model.model import GPT, GPTConfig
+    from minibatch.model.registry import build, config_from_dict
     torch.set_num_threads(1)
     parent = os.getppid()
     comm.init(rank, 2, addr, port, device)
     try:
-        model = GPT(GPTConfig(**model_cfg))
+        model = build(config_from_dict(model_cfg))
         model.load_state_dict(state)
-        model = model.to(device=device, dtype=state["wte.weight"].dtype).eval()
+        model = model.to(device=device, dtype=next(iter(state.values())).dtype).eval()
         eng = LLMEngine(model, EngineConfig(**{**engine_cfg, "disaggregated": False}))
         eng.add_hook(_trace_hook(out, name, eng))            # a step's trace: a few KB through the queue
         yield eng, parent

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from minibatch.distributed import comm
 from minibatch.disagg.instance import INSTANCES, POLL_S, InstanceDied, _drain, decode_main, prefill_main
 from minibatch.engine.engine import check_prompt
+from minibatch.model.registry import config_to_dict
 from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import StepTrace
 
@@ -55,10 +56,10 @@ class DisaggregatedEngine:
         dev = str(m.device)
         self._procs = {
             "prefill": ctx.Process(target=prefill_main, daemon=True, name="minibatch-prefill",
-                                   args=(addr, port, m.config.to_dict(), state, cfg, dev, self._ctl["prefill"],
+                                   args=(addr, port, config_to_dict(m.config), state, cfg, dev, self._ctl["prefill"],
                                          self._out["prefill"], handoff)),
             "decode": ctx.Process(target=decode_main, daemon=True, name="minibatch-decode",
-                                  args=(addr, port, m.config.to_dict(), state, cfg, dev, self._ctl["decode"],
+                                  args=(addr, port, config_to_dict(m.config), state, cfg, dev, self._ctl["decode"],
                                         self._out["decode"], handoff))}
         for p in self._procs.values():
             p.start()

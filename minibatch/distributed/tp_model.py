@@ -29,6 +29,9 @@ def check_tp_size(config, world: int) -> None:
     """A clear error for a split that cannot be made, at construction."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
+    if world > 1 and config.architecture != "GPT2LMHeadModel":
+        raise ValueError(f"tensor parallelism splits GPT-2's fused c_attn by heads (tp_model.py); {config.name!r} is a "
+                         f"{config.architecture}, whose split by K/V groups is not built: use tensor_parallel_size=1")
     if config.n_head % world:
         raise ValueError(f"tensor_parallel_size={world} does not divide the model's {config.n_head} attention heads "
                          f"({config.name}): each rank must hold whole heads; choose one of "

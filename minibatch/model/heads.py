@@ -156,6 +156,12 @@ def load_head(preset: str, target=None, device=None, dtype=torch.float32, direct
     head.load_state_dict(tensors)
     if target is not None:
         cfg = target.config
+        trained_on, this = manifest.get("target_sha256"), getattr(target, "manifest", {}).get("sha256")
+        if trained_on and this and trained_on != this:
+            raise ValueError(f"the shipped {preset} head was trained on the hidden states of another checkpoint "
+                             f"(SHA-256 {trained_on[:12]}...), not on this {cfg.name!r} ({this[:12]}...): its guesses "
+                             f"would mean nothing here. Train one for it (python -m minibatch.model.train_heads), or "
+                             f"draft with method 'draft' or 'ngram', which need no head")
         if (head.n_embd, head.vocab_size) != (cfg.n_embd, cfg.vocab_size):
             raise ValueError(f"the {preset} head reads width {head.n_embd} and vocabulary {head.vocab_size}; the "
                              f"target has {cfg.n_embd} and {cfg.vocab_size}: it was trained for another model")

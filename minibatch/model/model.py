@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -39,6 +39,7 @@ class GPTConfig:
     n_embd: int = 256
     n_ctx: int = 512          # context length: the most positions a sequence may have
     vocab_size: int = 256     # bytes
+    architecture: ClassVar[str] = "GPT2LMHeadModel"     # Hugging Face's and vLLM's name: the registry's key
 
     @property
     def head_dim(self) -> int:
@@ -163,59 +164,87 @@ class GPT(nn.Module):
           (``ModelRunner._forward``). ``hidden_states`` may then name only i >= E.
         Returns logits, or (logits, hidden dict) when ``hidden_states`` is given.
         """
-        # Positions are checked against n_ctx by the caller, on host values (ModelRunner._check_context,
-        # forward_sequences): reading a device tensor back here would sync every step, and on CUDA a position
-        # past the context is a device-side assert in wpe, not an error.
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"expected flat input_ids[T] and positions[T]; got {tuple(input_ids.shape)} "
-                             f"and {tuple(positions.shape)}")
-        n_run = self.config.n_layer if exit_layer is None else exit_layer
-        if not 0 <= n_run <= self.config.n_layer:
-            raise ValueError(f"exit_layer must lie in 0..{self.config.n_layer}, got {exit_layer!r}")
-        want, kept = set(hidden_states), {}
-        if start_layer:
-            if not (isinstance(start_layer, int) and 0 < start_layer <= n_run) or start_hidden is None \
-                    or tuple(start_hidden.shape) != (input_ids.shape[0], self.config.n_embd):
-                raise ValueError(f"start_layer must lie in 1..{n_run} (the exit layer) with start_hidden "
-                                 f"[T={input_ids.shape[0]}, C={self.config.n_embd}]; got {start_layer!r} and "
-                                 f"{None if start_hidden is None else tuple(start_hidden.shape)}")
-            if any(isinstance(i, int) and i < start_layer for i in want):
-                raise ValueError(f"hidden_states {sorted(want, key=str)}: a call that starts at block {start_layer} "
-                                 f"has no hidden state before it")
-            x = start_hidden                                      # [T, C], entering block start_layer
-        elif start_hidden is not None:
-            raise ValueError(f"start_hidden is the input of block start_layer, which must be >= 1 (block 0's input is "
-                             f"the embeddings); got start_layer={start_layer!r}")
-        else:
-            x = self.wte(input_ids) + self.wpe(positions)        # [T, C]
-        for i in range(start_layer, n_run):
-            if i in want:
-                kept[i] = x
-            x = self.h[i](x, i, attn)
-        if n_run in want:
-            kept[n_run] = x
-        x_all = x
-        if logits_indices is not None:
-            x = x[logits_indices]                                 # [N, C]
-            if not all_hidden:
-                kept = {i: h[logits_indices] for i, h in kept.items()}
-        x = self.ln_f(x)
-        logits = x @ self.wte.weight.t()                          # tied head -> [N, V]
-        if not hidden_states:
-            return logits
-        if "final" in want:
-            kept["final"] = self.ln_f(x_all) if all_hidden and logits_indices is not None else x
-        return logits, kept
+        return run_decoder(self, input_ids, positions, attn, logits_indices, hidden_states, exit_layer, all_hidden,
+                           start_layer, start_hidden)
+
+    # The parts run_decoder asks every decoder for (llama.py's Llama answers the same):
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids) + self.wpe(positions)        # [T, C]: learned positions, added once
+
+    def blocks(self, positions: torch.Tensor):
+        """The blocks, each called as block(x, layer_idx, attn); GPT-2's need no positions past the embedding."""
+        return self.h
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.wte.weight.t()                            # tied to the token embedding -> [N, V]
+
+
+def run_decoder(model, input_ids, positions, attn, logits_indices=None, hidden_states=(), exit_layer=None,
+                all_hidden=False, start_layer=0, start_hidden=None):
+    """The forward every decoder here shares (GPT, Llama): embed, run the blocks, normalise, the head, with
+    the speculative options documented at ``GPT.forward``. ``model`` supplies ``embed``, ``blocks``,
+    ``final_norm`` and ``lm_head``."""
+    # Positions are checked against n_ctx by the caller, on host values (ModelRunner._check_context,
+    # forward_sequences): reading a device tensor back here would sync every step, and on CUDA a position
+    # past the context is a device-side assert (a position embedding, a rotary table), not an error.
+    cfg = model.config
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(f"expected flat input_ids[T] and positions[T]; got {tuple(input_ids.shape)} "
+                         f"and {tuple(positions.shape)}")
+    n_run = cfg.n_layer if exit_layer is None else exit_layer
+    if not 0 <= n_run <= cfg.n_layer:
+        raise ValueError(f"exit_layer must lie in 0..{cfg.n_layer}, got {exit_layer!r}")
+    want, kept = set(hidden_states), {}
+    if start_layer:
+        if not (isinstance(start_layer, int) and 0 < start_layer <= n_run) or start_hidden is None \
+                or tuple(start_hidden.shape) != (input_ids.shape[0], cfg.n_embd):
+            raise ValueError(f"start_layer must lie in 1..{n_run} (the exit layer) with start_hidden "
+                             f"[T={input_ids.shape[0]}, C={cfg.n_embd}]; got {start_layer!r} and "
+                             f"{None if start_hidden is None else tuple(start_hidden.shape)}")
+        if any(isinstance(i, int) and i < start_layer for i in want):
+            raise ValueError(f"hidden_states {sorted(want, key=str)}: a call that starts at block {start_layer} "
+                             f"has no hidden state before it")
+        x = start_hidden                                          # [T, C], entering block start_layer
+    elif start_hidden is not None:
+        raise ValueError(f"start_hidden is the input of block start_layer, which must be >= 1 (block 0's input is "
+                         f"the embeddings); got start_layer={start_layer!r}")
+    else:
+        x = model.embed(input_ids, positions)                     # [T, C]
+    blocks = model.blocks(positions)
+    for i in range(start_layer, n_run):
+        if i in want:
+            kept[i] = x
+        x = blocks[i](x, i, attn)
+    if n_run in want:
+        kept[n_run] = x
+    x_all = x
+    if logits_indices is not None:
+        x = x[logits_indices]                                     # [N, C]
+        if not all_hidden:
+            kept = {i: h[logits_indices] for i, h in kept.items()}
+    x = model.final_norm(x)                                       # [N, C]
+    logits = model.lm_head(x)                                     # [N, V]
+    if not hidden_states:
+        return logits
+    if "final" in want:
+        kept["final"] = model.final_norm(x_all) if all_hidden and logits_indices is not None else x
+    return logits, kept
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            query_start_loc: torch.Tensor) -> torch.Tensor:
     """The reference attention: each sequence in the flat batch is *complete* (no cache).
 
-    q, k, v: [T, H, D]; query_start_loc: [B+1], sequence b owns rows
+    q: [T, H, D], k, v: [T, Hkv, D] (Hkv divides H); query_start_loc: [B+1], sequence b owns rows
     query_start_loc[b]:query_start_loc[b+1]. Plain softmax(q k^T / sqrt(D)) v with
     a causal mask inside each sequence; nothing crosses a sequence boundary.
     """
+    if k.shape[1] != q.shape[1]:                                  # grouped-query: each K/V head serves H / Hkv
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)      # [T, H, D]
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     starts = query_start_loc.tolist()

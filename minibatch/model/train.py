@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from minibatch.model.data import load_corpus
 from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
-from minibatch.model.model import GPT, PRESETS, get_config
+from minibatch.model.model import GPT
+from minibatch.model.registry import PRESETS, build, get_config
 from minibatch.model.weights import load_model, save_checkpoint
 
 
@@ -86,7 +87,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     train, val = load_corpus("train"), load_corpus("val")
-    model = GPT(cfg)
+    model = build(cfg)
     previous = None
     if args.init:                                                 # stage 2: start from the shipped weights
         from minibatch.model.weights import read_manifest

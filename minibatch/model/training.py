@@ -13,10 +13,12 @@ import torch.nn.functional as F
 
 def batched_causal_attention(batch: int, seq: int):
     """Attention fn for training: the flat batch is a [batch, seq] rectangle of full windows."""
-    def attn(layer_idx, q, k, v):                                 # [B*S, H, D] each
+    def attn(layer_idx, q, k, v):                                 # q [B*S, H, D], k, v [B*S, Hkv, D]
         H, D = q.shape[1:]
-        q, k, v = (t.view(batch, seq, H, D).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        Hkv = k.shape[1]                                          # < H: grouped-query attention (Llama)
+        q = q.view(batch, seq, H, D).transpose(1, 2)              # [B, H, S, D]
+        k, v = (t.view(batch, seq, Hkv, D).transpose(1, 2) for t in (k, v))     # [B, Hkv, S, D]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         return y.transpose(1, 2).reshape(batch * seq, H, D)
     return attn
 

@@ -3,7 +3,8 @@
 Each preset has two files in ``minibatch/model/checkpoints/``:
   ``<preset>.safetensors``  the tensors, float16 (half the bytes; float32 on load)
   ``<preset>.json``         the config, the SHA-256 of the tensor file, and how it was trained
-The GPT presets (``target``, ``draft``) load as a ``GPT`` (``load_model``); the speculative heads
+The model presets (``target``, ``draft``: GPTs; ``llama``) load as the class their config's architecture names
+(``load_model``, through ``registry.py``); the speculative heads
 (``medusa``, ``eagle``, ``early_exit``: ``minibatch/model/heads.py``) as their own modules through
 ``load_tensors``, the same two files and the same checks.
 safetensors holds raw tensors and a JSON header only, so loading cannot run code
@@ -18,7 +19,8 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
-from minibatch.model.model import GPT, PRESETS, GPTConfig
+from minibatch.model import registry
+from minibatch.model.registry import PRESETS
 
 WEIGHTS_DIR = pathlib.Path(__file__).parent / "checkpoints"
 HEAD_PRESETS = ("medusa", "eagle", "early_exit")       # modules on top of the frozen target (heads.py)
@@ -46,9 +48,9 @@ def save_tensors(name: str, tensors: dict, manifest: dict, directory: pathlib.Pa
     return path
 
 
-def save_checkpoint(model: GPT, info: dict, directory: pathlib.Path = WEIGHTS_DIR) -> pathlib.Path:
-    return save_tensors(model.config.name, model.state_dict(), {"config": model.config.to_dict(), **info},
-                        directory)
+def save_checkpoint(model, info: dict, directory: pathlib.Path = WEIGHTS_DIR) -> pathlib.Path:
+    return save_tensors(model.config.name, model.state_dict(),
+                        {"config": registry.config_to_dict(model.config), **info}, directory)
 
 
 def read_manifest(preset: str, directory: pathlib.Path = WEIGHTS_DIR) -> dict:
@@ -80,14 +82,16 @@ def check_dtype(dtype) -> None:
 
 
 def load_model(preset: str = "target", device=None, dtype=torch.float32,
-               directory: pathlib.Path = WEIGHTS_DIR) -> GPT:
-    """Build the preset's GPT and load its shipped weights (checksum verified), in eval mode."""
+               directory: pathlib.Path = WEIGHTS_DIR):
+    """Build the preset's model (the class its config's architecture names) and load its shipped weights
+    (checksum verified), in eval mode."""
     if preset in HEAD_PRESETS:
-        raise ValueError(f"{preset!r} is a speculative head, not a GPT: load it with minibatch.model.heads.load_head")
+        raise ValueError(f"{preset!r} is a speculative head, not a model: load it with minibatch.model.heads.load_head")
     tensors, manifest = load_tensors(preset, directory)
     check_dtype(dtype)
-    model = GPT(GPTConfig(**manifest["config"]))
+    model = registry.build(registry.config_from_dict(manifest["config"], str(pathlib.Path(directory) / f"{preset}.json")))
     model.load_state_dict(tensors)
+    model.manifest = manifest                   # which checkpoint it is: a head checks it was trained on this one
     return model.to(device=resolve_device(device), dtype=dtype).eval()
 
 

@@ -65,7 +65,7 @@ def generate(model: GPT, prompt_ids: list[int], params: SamplingParams) -> tuple
 
 
 class ContiguousKVAttention:
-    """One request's cache: K and V buffers [n_layer, n_ctx, H, D], filled left to right."""
+    """One request's cache: K and V buffers [n_layer, n_ctx, Hkv, D], filled left to right."""
 
     def __init__(self, model: GPT):
         c = model.config
@@ -74,11 +74,13 @@ class ContiguousKVAttention:
         self.v = torch.zeros_like(self.k)
         self.start = 0                                            # tokens already cached
 
-    def __call__(self, layer_idx, q, k, v):                      # q, k, v: [n_new, H, D]
+    def __call__(self, layer_idx, q, k, v):                      # q [n_new, H, D], k, v [n_new, Hkv, D]
         n, end = q.shape[0], self.start + q.shape[0]
         self.k[layer_idx, self.start:end] = k
         self.v[layer_idx, self.start:end] = v
-        keys, vals = self.k[layer_idx, :end], self.v[layer_idx, :end]   # [end, H, D]
+        keys, vals = self.k[layer_idx, :end], self.v[layer_idx, :end]   # [end, Hkv, D]
+        if keys.shape[1] != q.shape[1]:                          # grouped-query: H / Hkv queries share each head
+            keys, vals = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (keys, vals))   # [end, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[-1])
         # new token i sits at position start + i and may see keys 0..start + i
         q_pos = torch.arange(self.start, end, device=q.device)[:, None]
