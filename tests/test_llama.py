@@ -181,3 +181,16 @@ def test_a_manifest_without_an_architecture_is_a_gpt_and_llamas_record_theirs():
     assert type(registry.build(registry.config_from_dict({"name": "t", "n_layer": 1}))) is GPT
     d = registry.config_to_dict(registry.get_config("llama"))
     assert d["architecture"] == "LlamaForCausalLM" and json.loads(json.dumps(d))["n_kv_head"] == 2
+
+
+def test_the_cost_model_reads_the_llama_from_its_checkpoint_and_bench_kv_prints_the_saving(capsys):
+    if not (WEIGHTS_DIR / "llama.json").exists():
+        pytest.skip("the shipped llama is trained by python -m minibatch.model.train --preset llama")
+    from minibatch.bench.kv_efficiency import main
+    from minibatch.perf.models import get_model
+    prof, model = get_model("llama"), load_model("llama", device="cpu")
+    assert prof.num_params == model.num_params() and (prof.n_heads, prof.n_kv_heads) == (4, 2)
+    kv = main(["--num-requests", "8", "--max-len", "64"])["kv_bytes_per_token"]
+    assert kv["llama"] * 4 // 2 == kv["target"]                  # same width and depth: x Hkv / H
+    assert kv["llama-3-8b"] == 2 * 32 * 8 * 128 * 2                # 128 KiB a token in bf16
+    assert "llama" in capsys.readouterr().out

@@ -93,3 +93,28 @@ def test_vllm_gives_minibatchs_greedy_tokens(peer, minibatch_tokens, case):
     assert minibatch_tokens[case] == minibatch_tokens["plain"]        # speculation is lossless on our side
     for i, (ours, vllm_ids) in enumerate(zip(minibatch_tokens[case], theirs)):
         assert ours == vllm_ids, f"{case}, prompt {i} ({PROMPTS[i]!r}): minibatch {ours} vs vLLM {vllm_ids}"
+
+
+@pytest.mark.slow                                                  # a second vLLM start: ~1-2 min on 2 busy cores
+def test_vllm_gives_minibatchs_greedy_tokens_on_the_llama(tmp_path):
+    """The shipped Llama (RoPE, GQA), exported as a LlamaForCausalLM: vLLM's greedy tokens equal minibatch's, with
+    minibatch running the batch through prefix hits, chunked prefill and preemption (a small pool)."""
+    from minibatch.model.tokenizer import encode
+    from minibatch.model.weights import WEIGHTS_DIR, load_model
+    why = vllm_venv.problem()
+    if why:
+        pytest.skip(f"vLLM's peer is not set up: {why}")
+    if not (WEIGHTS_DIR / "llama.json").exists():
+        pytest.skip("the shipped llama is trained by python -m minibatch.model.train --preset llama")
+    llama = load_model("llama", device="cpu")
+    prompts = PROMPTS + [PROMPTS[0] + "    if n < 2:\n"]                 # shares PROMPTS[0]'s first blocks
+    max_tokens = MAX_TOKENS + [16]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens]
+    llm = LLM(llama, max_num_seqs=4, block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40)
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)                 # its blocks are cached for the hit
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with vllm_peer.VLLMPeer(export_hf(llama, tmp_path / "llama"), in_process=True) as p:
+        p.load("plain", None, max_num_seqs=4)
+        theirs, _ = p.run("plain", [encode(q) for q in prompts], max_tokens)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == b, f"llama, prompt {i} ({prompts[i]!r}): minibatch {a} vs vLLM {b}"

@@ -23,6 +23,7 @@ import math
 import random
 
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
+from minibatch.perf.models import get_model
 
 PAPER = ("vLLM paper (Kwon et al., SOSP'23, Fig. 2): existing systems used only 20.4-38.2 % of their "
          "KV cache memory for token states; vLLM wastes under 4 %.")
@@ -67,6 +68,22 @@ def paged_fit(rng: random.Random, max_len: int, block_size: int) -> int:
         n += 1
 
 
+# Grouped-query attention is the other saving: H query heads share Hkv K/V heads, so a token's K/V is Hkv / H of
+# multi-head attention's at the same width (Ainslie et al. 2023), and a block holds H / Hkv times the tokens.
+KV_MODELS = ("target", "llama", "llama-2-13b", "llama-3-8b", "llama-3-70b")
+
+
+def kv_per_token() -> list:
+    """[(name, query heads, K/V heads, KV bytes per token, what multi-head attention would need)], from the
+    shipped checkpoints' configs and the published ones (minibatch.perf.models)."""
+    rows = []
+    for name in KV_MODELS:
+        m = get_model(name)
+        rows.append((name, m.n_heads, m.n_kv_heads, m.kv_bytes_per_token,
+                     m.kv_bytes_per_token * m.n_heads // m.n_kv_heads))
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m minibatch.bench kv", description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=256)
@@ -102,7 +119,11 @@ def main(argv=None) -> dict:
     for bs in BLOCK_SIZES:
         print(f"  {bs:>8d}   {100 * by_bs[bs]:9.1f} %   {100 * (1 - by_bs[bs]):4.1f} %   {fit_by_bs[bs]:>8d}")
     print(f"\n{PAPER}")
-    return {"contiguous_share": contiguous, "paged_share": paged, "contiguous_fit": fit_contig,
+    rows = kv_per_token()
+    print("\nKV bytes per token (2 x layers x K/V heads x head dim x bytes; grouped-query attention shares K/V heads):")
+    for name, h, hkv, b, mha in rows:
+        print(f"  {name:12s} {h:>3d} query / {hkv:>2d} K/V heads: {b:>9,d} B  ({b / mha:.2f} of multi-head's {mha:,d} B)")
+    return {"kv_bytes_per_token": {r[0]: r[3] for r in rows},"contiguous_share": contiguous, "paged_share": paged, "contiguous_fit": fit_contig,
             "paged_fit": fit_paged, "by_block_size": by_bs, "fit_by_block_size": fit_by_bs}
 
 

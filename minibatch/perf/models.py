@@ -88,13 +88,24 @@ class ModelProfile:
         return asdict(self)
 
 
+SHIPPED = ("target", "draft", "llama")
+
+
 def _shipped(name: str) -> ModelProfile:
-    """A shipped GPT-2 (``target`` or ``draft``) from its checkpoint's config: fp32, tied head, GELU MLP 4 x C."""
+    """A shipped model from its checkpoint's config, fp32, tied head: a GPT-2 (``target``, ``draft``: multi-head,
+    GELU MLP 4 x C) or the Llama (``llama``: grouped-query, SwiGLU of its intermediate size)."""
     path = CHECKPOINTS / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no shipped checkpoint {path}: train it with python -m minibatch.model.train "
+                                f"--preset {name}")
     c = json.loads(path.read_text())["config"]
+    src = f"minibatch/model/checkpoints/{name}.json (the shipped weights, fp32)"
+    if c.get("architecture") == "LlamaForCausalLM":
+        return ModelProfile(name, c["n_layer"], c["n_embd"], c["n_head"], c["n_kv_head"], c["n_embd"] // c["n_head"],
+                            c["intermediate_size"], c["vocab_size"], 4, gated_mlp=True, tied_embeddings=True,
+                            source=src)
     return ModelProfile(name, c["n_layer"], c["n_embd"], c["n_head"], c["n_head"], c["n_embd"] // c["n_head"],
-                        4 * c["n_embd"], c["vocab_size"], 4, gated_mlp=False, tied_embeddings=True,
-                        source=f"minibatch/model/checkpoints/{name}.json (the shipped weights, fp32)")
+                        4 * c["n_embd"], c["vocab_size"], 4, gated_mlp=False, tied_embeddings=True, source=src)
 
 
 _HF = "Hugging Face config.json of "
@@ -117,16 +128,16 @@ PUBLISHED = {
 
 # The draft model a simulated target is paired with, when ``simulate`` names none: a small model of the same
 # family and tokenizer (speculation needs the same vocabulary).
-DEFAULT_DRAFT = {"target": "draft", "llama-3-8b": "llama-3.2-1b", "llama-3-70b": "llama-3.2-1b",
+DEFAULT_DRAFT = {"target": "draft", "llama": "draft", "llama-3-8b": "llama-3.2-1b", "llama-3-70b": "llama-3.2-1b",
                  "gpt2": "draft", "mistral-7b": "llama-3.2-1b", "llama-2-13b": "llama-3.2-1b"}
 
 
 def model_names() -> list:
-    return sorted(["target", "draft", *PUBLISHED])
+    return sorted([*SHIPPED, *PUBLISHED])
 
 
 def get_model(name: str) -> ModelProfile:
-    if name in ("target", "draft"):
+    if name in SHIPPED:
         return _shipped(name)
     if name not in PUBLISHED:
         raise ValueError(f"unknown model profile {name!r}; choose one of {model_names()}")

@@ -25,7 +25,7 @@ from typing import Optional
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="target", help="shipped preset: target or draft")
+    p.add_argument("--model", default="target", help="shipped model: target (GPT-2), llama (RoPE, GQA) or draft")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--max-num-seqs", type=int, default=32)
