@@ -2,7 +2,7 @@
 
 guidellm (vllm-project/guidellm) runs in a venv of its own (it brings Hugging Face's `kernels` package, whose
 import name is our Triton package's): .ci/run makes it, and the test finds it through $GUIDELLM, the PATH or
-/root/.cache/minibatch/guidellm-venv. It streams /v1/completions (with vLLM's `ignore_eos` and
+~/.cache/minibatch/guidellm-venv. It streams /v1/completions (with vLLM's `ignore_eos` and
 `stream_options.continuous_usage_stats`) at 4 concurrent streams, from a local jsonl of code prompts.
 
 Checked against the server's own /metrics histograms, over the same requests (scraped before and after):
@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_serve_load import cli_server  # noqa: F401 (the fixture: `python -m minibatch serve` on 127.0.0.1)
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
-VENV_GUIDELLM = Path("/root/.cache/minibatch/guidellm-venv/bin/guidellm")
+VENV_GUIDELLM = Path("~/.cache/minibatch/guidellm-venv/bin/guidellm").expanduser()
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, x):\n",
            "for i in range(10):\n", "with open(path) as f:\n"]
 NUM_REQUESTS = 40
@@ -51,7 +51,7 @@ def server_means(url) -> dict:
 def test_guidellm_agrees_with_the_servers_metrics(cli_server, tmp_path, capsys):  # noqa: F811
     exe = guidellm()
     if exe is None:
-        pytest.skip("guidellm is not installed (.ci/run makes /root/.cache/minibatch/guidellm-venv; or set GUIDELLM)")
+        pytest.skip("guidellm is not installed (.ci/run makes ~/.cache/minibatch/guidellm-venv; or set GUIDELLM)")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": PROMPTS[i % 5] + "    " * (i // 5)}) + "\n" for i in range(50)))
     for p in PROMPTS:                                       # warm the server up: the figures compare steady state
