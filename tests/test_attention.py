@@ -157,7 +157,7 @@ def test_unknown_backend_lists_the_choices():
     md = AttentionMetadata.build([[0]], [0], [1], 4)
     with pytest.raises(ValueError, match="triton"):
         PagedAttention(cache, md, "flash")
-    assert BACKENDS == ("loop", "batched", "triton")
+    assert BACKENDS == ("loop", "batched", "triton", "cpu")
 
 
 def test_a_failed_call_leaves_the_cache_unchanged():

@@ -1,7 +1,8 @@
-"""Benchmark: Triton paged attention vs PyTorch paged attention, at decode.
+"""Benchmark: Triton paged attention vs PyTorch paged attention, at decode; on the CPU, "cpu" vs "batched".
 
     python -m minibatch.bench attention            # on a CUDA machine: the table
     python -m minibatch.bench attention --quick    # fewer, smaller configurations
+    python -m minibatch.bench attention --cpu      # the CPU backends: attention alone, then a whole engine step
 
 Decode is the memory-bound case: each new token reads its sequence's whole
 K/V context once and does ~2 FLOPs per byte, so the figure of merit is the
@@ -18,6 +19,14 @@ whose input checks take one host sync per call.
 
 Without CUDA there is nothing to time: the script says so and runs a tiny
 correctness check through the Triton interpreter instead.
+
+``--cpu`` times the CPU backends instead (``bench_cpu``): "batched" (gathers each row's context into
+[G, L, Hkv, D], then SDPA) against "cpu" (``minibatch/kv/cpu_attention.py``, the blocks read in place), each
+through the engine's own path (``backends.get``, the step's metadata built once), with ``perf_counter``
+around ``iters`` calls, several rounds alternating the backends: best round, median and worst. Then a whole
+engine decode step of the shipped target at batch 16 (``LLM``, the step's own ``duration``, the decode steps
+only), rounds alternating the backends the same way. Threads: the engine's choice (1 for the target), or
+``--threads N``.
 """
 from __future__ import annotations
 
@@ -43,6 +52,15 @@ CONFIGS = [
 ]
 QUICK = [CONFIGS[0], CONFIGS[4]]
 BLOCK_SIZE = 16
+# --cpu: (batch, context, num_heads, num_kv_heads, head_dim, dtype)
+CPU_CONFIGS = [
+    (16, 128, 4, 4, 64, torch.float32),      # the shipped target at batch 16 ...
+    (16, 512, 4, 4, 64, torch.float32),      # ... at its full context
+    (16, 512, 4, 4, 64, torch.bfloat16),
+    (1, 512, 4, 4, 64, torch.float32),
+    (16, 1024, 8, 2, 64, torch.float32),     # GQA
+]
+CPU_QUICK = CPU_CONFIGS[:2]
 
 
 def local_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
@@ -193,11 +211,88 @@ def smoke_cpu():
     print(f"  ({time.perf_counter() - t0:.1f} s)")
 
 
+def spread(samples) -> str:
+    """best / median / worst of a list of times in ms."""
+    return f"{min(samples):7.3f} {statistics.median(samples):7.3f} {max(samples):7.3f}"
+
+
+def bench_cpu(configs, iters, rounds):
+    """Attention alone: "batched" vs "cpu", each through the engine's path, per layer call, in ms."""
+    from minibatch.kv import backends
+    from minibatch.kv.attention import AttentionMetadata
+    if backends.cpu_attention.load() is None:
+        print("the 'cpu' backend's operator cannot be built here (see the warning above): nothing to compare")
+        return False
+    print(f"CPU: {torch.get_num_threads()} thread(s); torch {torch.__version__}; block_size {BLOCK_SIZE}; decode; "
+          f"ms per call over {iters} calls, {rounds} rounds alternating: best / median / worst")
+    head = (f"{'B':>3} {'ctx':>5} {'H':>3} {'Hkv':>3} {'D':>4} {'dtype':>8} | {'batched':^23} | {'cpu':^23} | "
+            f"{'speed-up':>8} | {'max|err|':>8}")
+    print(head + "\n" + "-" * len(head))
+    for B, ctx, H, Hkv, D, dtype in configs:
+        x = make_decode_batch(B, ctx, H, Hkv, D, dtype, "cpu")
+        lens = x["seq_lens"].tolist()
+        md = AttentionMetadata(None, x["block_tables"], x["seq_lens"], x["query_start_loc"], 1, max(lens), None,
+                               lens, [1] * B)
+        call = (x["query"], x["key_cache"], x["value_cache"], md, D ** -0.5)
+        fns = {name: backends.get(name)[1] for name in ("batched", "cpu")}
+        times = {name: [] for name in fns}
+        for name, fn in fns.items():
+            fn(*call)                                          # warm-up (and "batched"'s plan, made once a step)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn(*call)
+                times[name].append((time.perf_counter() - t0) / iters * 1e3)
+        err = (fns["cpu"](*call).float() - fns["batched"](*call).float()).abs().max().item()
+        print(f"{B:>3} {ctx:>5} {H:>3} {Hkv:>3} {D:>4} {str(dtype)[6:]:>8} | {spread(times['batched'])} | "
+              f"{spread(times['cpu'])} | {min(times['batched']) / min(times['cpu']):7.2f}x | {err:8.1e}", flush=True)
+    return True
+
+
+def bench_engine_decode(batch, prompt_len, max_tokens, rounds):
+    """A whole decode step of the shipped target through ``LLM``: ``batch`` requests, every step after their
+    prefills a batch-``batch`` decode; the median decode step of each round, rounds alternating the backends."""
+    from minibatch import LLM, SamplingParams
+    text = (b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+            * 64)
+    medians = {"batched": [], "cpu": []}
+    best_step = {}
+    for _ in range(rounds):
+        for backend in medians:
+            llm = LLM("target", attention_backend=backend, max_num_seqs=batch)
+            eng, traces = llm.llm_engine, []
+            eng.add_hook(traces.append)
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            for i in range(batch):                   # distinct prompts (no prefix-cache sharing), lengths spread
+                n = prompt_len // 2 + (prompt_len * i) // (2 * batch)
+                eng.add_request(f"r{i}", list(text[i * 7: i * 7 + n]), params)
+            while eng.has_unfinished_requests():
+                eng.step()
+            steps = [t.duration * 1e3 for t in traces
+                     if len(t.scheduled) == batch and all(s.phase == "decode" for s in t.scheduled)]
+            medians[backend].append(statistics.median(steps))
+            best_step[backend] = min(best_step.get(backend, float("inf")), min(steps))
+    print(f"\nengine decode step, target model, batch {batch}, prompts {prompt_len // 2}..{prompt_len - 1} bytes, "
+          f"{max_tokens} tokens each ({len(steps)} decode steps a round; {torch.get_num_threads()} thread(s)); "
+          f"ms, the median step of each of {rounds} rounds: best / median / worst")
+    for backend, m in medians.items():
+        print(f"  {backend:>8}: {spread(m)}   (fastest single step {best_step[backend]:.3f})")
+    print(f"  speed-up (best rounds): {min(medians['batched']) / min(medians['cpu']):.2f}x")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two small configurations only")
-    p.add_argument("--iters", type=int, default=50, help="calls per timing sample (triton)")
+    p.add_argument("--iters", type=int, default=50, help="calls per timing sample (triton; --cpu)")
+    p.add_argument("--cpu", action="store_true", help="time the CPU backends, 'batched' vs 'cpu', and an engine step")
+    p.add_argument("--rounds", type=int, default=7, help="--cpu: timed rounds, alternating the backends")
     a = p.parse_args(argv)
+    if a.cpu:
+        with torch.no_grad():
+            if bench_cpu(CPU_QUICK if a.quick else CPU_CONFIGS, a.iters, a.rounds):
+                bench_engine_decode(16, 384, 32 if a.quick else 96, max(1, a.rounds // 2) if a.quick else a.rounds)
+        return
     if not torch.cuda.is_available():
         smoke_cpu()
         return

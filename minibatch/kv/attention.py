@@ -21,7 +21,8 @@ goes; ``positions`` come from here too, so the model is fed the positions the
 attention assumes. Per layer, ``PagedAttention`` then **stores** the new tokens'
 K and V at their slots (the slot mapping) and **attends** through a backend
 (``minibatch/kv/backends.py``): "loop" (the teaching version), "batched" (the
-fast default) or "triton" (``kernels/``). The per-layer call checks nothing
+fast default), "triton" (``kernels/``) or "cpu" (a C++ operator that reads the blocks in place,
+``cpu_attention.py``). The per-layer call checks nothing
 again, unless ``MINIBATCH_DEBUG_CHECKS=1`` (or ``PagedAttention(..., debug=True)``)
 asks every backend to re-check its inputs on every call.
 """
@@ -36,9 +37,10 @@ from minibatch.kv import backends, checks
 from minibatch.kv.kv_cache import KVCache
 from minibatch.kv.metadata import AttentionMetadata
 
-BACKENDS = ("loop", "batched", "triton")
+BACKENDS = ("loop", "batched", "triton", "cpu")
 # Backends whose decode forward has no host sync and no data-dependent shape (tests/test_host_sync.py): they can
-# run a static batch, so CUDA graphs can capture them. "loop" reads lengths back to the host (the teaching version).
+# run a static batch, so CUDA graphs can capture them. "loop" reads lengths back to the host (the teaching version);
+# "cpu" runs on the host only, where no graph is captured.
 GRAPH_SAFE_BACKENDS = ("batched", "triton")
 RENAMED = {"torch": "loop", "dense": "batched"}       # the names before the re-founding said less
 

@@ -1,4 +1,4 @@
-"""Paged attention backends: the same answer three ways, and the checks they share.
+"""Paged attention backends: the same answer four ways, and the checks they share.
 
 Every backend reads the step's K/V from the paged cache (this step's own K/V are
 stored there first), position p of sequence b living in physical block
@@ -19,6 +19,9 @@ plain causal. Query t sees key j iff ``j <= its index`` and (``j < context_len``
                derives from the metadata (gather indices, masks) is built once per step, not per layer.
   "triton"  -- ``kernels.paged_attention``: reads blocks in place with an online softmax; pure-decode steps go
                to ``kernels.flash_decode`` (full tiles, the context split over programs).
+  "cpu"     -- ``cpu_attention.py``: a small C++ operator (vLLM's CPU attention, compiled at first use) that reads
+               the blocks in place with an online softmax, OpenMP over (sequence, KV head); "batched" where
+               it cannot be built (said once, in a warning).
 
 The public functions (``store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``) check
 their inputs (``checks.py``), so a student or a test calling one directly gets a clear error. Inside the engine the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minibatch.kv import cpu_attention
 from minibatch.kv.checks import _check_attention, _check_cache, check_accepts
 from minibatch.kv.metadata import AttentionMetadata
 
@@ -270,6 +274,13 @@ def _checked(fn):
 
 def get(backend: str, checked: bool = False):
     """(store, attend) of a backend; attend(query, key_cache, value_cache, metadata, scale) -> [T, H, D]."""
+    if backend == "cpu":          # the C++ operator, built at the first call; where it cannot be, "batched"
+        if cpu_attention.load() is None:                 # (load() said why, once)
+            backend = "batched"
+        elif checked:
+            return store_kv_torch, _checked(cpu_attention.paged_attention_cpu)
+        else:
+            return _store, cpu_attention.attend
     if backend == "triton":
         try:
             import kernels                        # lazily: the other backends need no Triton
