@@ -80,10 +80,10 @@ def _run_simulated(model, workload, temperature=0.0, **engine_kwargs):
 
 
 def bench_batching(args) -> None:
-    model = load_model("target", device=args.device)
+    model = load_model(args.model, device=args.device)
     wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival=args.arrival,
                        rate=args.rate, **({"prompt_len": args.prompt_len} if args.prompt_len else {}))
-    print(f"device: {model.device}; model: target ({model.num_params():,} parameters)")
+    print(f"device: {model.device}; model: {args.model} ({type(model).__name__}, {model.num_params():,} parameters)")
     print(describe(wl))
     common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, attention_backend=args.backend, simulate=args.simulate)
@@ -174,6 +174,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["batching", "speculative", *OTHERS])
     ap.add_argument("--device", default=None)
+    ap.add_argument("--model", default="target", help="batching: the shipped model served (target, llama)")
     ap.add_argument("--workload", default="longtail")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--arrival", default="offline")
@@ -188,7 +189,7 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--backend", default="batched", help="attention backend: batched, loop or triton")
+    ap.add_argument("--backend", default="batched", help="attention backend: batched, loop, triton or cpu")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 8])
     ap.add_argument("--typical", action="store_true",
                     help="speculative: also Medusa with typical acceptance at temperature 1 (lossy)")
