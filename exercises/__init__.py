@@ -23,7 +23,10 @@ is its first (``Piece.func``).
 In a student release (``python -m exercises.release``) the reference of the parts it holds out is not in
 ``minibatch/`` or ``kernels/`` at all: the engine calls the student's piece there (``call_student`` for a
 function, ``StudentsClass`` for a class), ``reference()`` raises ``ReferenceRemoved``, and a piece whose file
-still has an unwritten function raises ``Unfinished`` (a NotImplementedError) when the engine needs it.
+still has an unwritten function raises ``Unfinished`` (a NotImplementedError) when the engine needs it. Nor is any
+other implementation of those parts (a fast backend, the tree sampler, a kernel: ``Piece.routes``, ``Piece.elsewhere``):
+each computes through the student's piece there (``attention_through`` and the other adapters below), and a student
+function that calls one back for its own answer stops with a clear error instead of looping.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,11 @@ class Piece:
                          # each is tested, patched into the engine and held out of a release like ``func``
     routes: tuple = ()   # (helper, return expression): a helper that a release keeps as a stand-in whose body
                          # computes through the student's function, so no other reference does the part's work
+    elsewhere: tuple = ()  # (module, name, return expression or None): another implementation of the part outside
+                           # ``module`` (a backend, a kernel, a fast path): a release keeps its signature with that
+                           # body (an assignment: that value; ``$VALUE`` is the old one), or cuts it (None). A
+                           # module this checkout lacks is skipped; when two held-out parts name one definition,
+                           # the later part's (PIECES' order) wins.
 
     @property
     def reference_name(self) -> str:
@@ -66,17 +75,76 @@ class Piece:
         return self.reference_name if func == self.func else func
 
 
+def _schema_only(literal: str) -> str:
+    """The C++ source of ``minibatch/kv/cpu_attention.py`` (a string literal) cut down to its operator's schema
+    (``TORCH_LIBRARY_FRAGMENT``): a literal of a source that registers the operator and computes nothing."""
+    import re
+    source = ast.literal_eval(literal)
+    m = re.search(r"TORCH_LIBRARY_FRAGMENT\(minibatch, m\) \{.*?\n\}", source, re.S)
+    if m is None:
+        raise ValueError("minibatch/kv/cpu_attention.py: SOURCE has no TORCH_LIBRARY_FRAGMENT(minibatch, m) { ... }")
+    return repr("// held out of the student release: the operator's schema only; minibatch::paged_attention_cpu is\n"
+                "// computed through your exercises/ex2_paged_attention.py (cpu_attention.attend)\n"
+                "#include <torch/library.h>\n\n" + m.group(0) + "\n")
+
+
+# Exercise 2's other implementations: the fast torch backend ("batched", its plan and gathers), the C++ "cpu"
+# backend, the benchmark's local copy, the Triton kernels (general and flash-decode); each computes through the
+# student's function instead (``attention_through``). The engine no longer captures "batched" in a CUDA graph there:
+# the student's function plans on the host.
+_THROUGH_2 = ("exercises.attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, "
+              "scale{})")
+_PAGED_ATTENTION_ELSEWHERE = (
+    ("minibatch.kv.backends", "paged_attention_batched",
+     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_batched'")),
+    ("minibatch.kv.backends", "_batched", "exercises.attention_through(query, key_cache, value_cache, "
+                                          "md.block_tables, md.seq_lens, md.query_start_loc, scale, tree_bits=md.tree_bits)"),
+    ("minibatch.kv.backends", "_plan", None),
+    ("minibatch.kv.backends", "_static_decode_plan", None),
+    ("minibatch.kv.backends", "_buckets", None),
+    ("minibatch.kv.attention", "GRAPH_SAFE_BACKENDS", "tuple(b for b in $VALUE if b != 'batched')"),
+    # the C++ source keeps only the operator's schema: it still builds (or says why not, as before), and the
+    # Python entry points below compute through the student's function
+    ("minibatch.kv.cpu_attention", "SOURCE", lambda value: _schema_only(value)),
+    ("minibatch.kv.cpu_attention", "paged_attention_cpu",
+     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_cpu'")),
+    ("minibatch.kv.cpu_attention", "attend", "exercises.attention_through(query, key_cache, value_cache, "
+                                             "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
+                                             "tree_bits=md.tree_bits)"),
+    ("minibatch.bench.attention", "local_paged_reference", _THROUGH_2.format("")),
+    ("kernels.paged_attention", "_paged_attention_kernel", None),
+    ("kernels.paged_attention", "_launch", "out.copy_(" + _THROUGH_2.format(", tree_bits=tree_bits") + ")"),
+    ("kernels.flash_decode", "_flash_decode_kernel", None),
+    ("kernels.flash_decode", "_combine_kernel", None),
+    ("kernels.flash_decode", "_launch_decode", "out.copy_(exercises.attention_through(query, key_cache, value_cache, "
+                                               "block_tables, seq_lens, torch.arange(query.shape[0] + 1, "
+                                               "device=query.device), scale))"),
+)
+# Exercise 9's: the general kernel and flash-decode, each launching the student's decode kernel instead.
+_PAGED_DECODE_ELSEWHERE = (
+    ("kernels.paged_attention", "_paged_attention_kernel", None),
+    ("kernels.paged_attention", "_launch", "exercises.attention_through_decode(query, key_cache, value_cache, "
+                                           "block_tables, seq_lens, query_start_loc, scale, out, tree_bits=tree_bits)"),
+    ("kernels.flash_decode", "_flash_decode_kernel", None),
+    ("kernels.flash_decode", "_combine_kernel", None),
+    ("kernels.flash_decode", "_launch_decode", "exercises.launch_paged_decode(query, key_cache, value_cache, "
+                                               "block_tables, seq_lens, scale, out)"),
+)
+
 PIECES = {p.name: p for p in (
     Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv.kv_cache", "slot mapping"),
     Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends",
-          "paged attention", ref_func="paged_attention_loop"),
+          "paged attention", ref_func="paged_attention_loop", elsewhere=_PAGED_ATTENTION_ELSEWHERE),
     Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampling.sampler", "top-k / top-p",
           helpers=("top_k_top_p_batched",),
           routes=(("top_k_top_p_batched", "top_k_top_p_rows(logits, top_k, top_p, apply_top_k_top_p)"),)),
     Piece("rejection_sampler", "ex4", "ex4_rejection_sampler", "rejection_sample", "minibatch.spec_decode.rejection_sampler",
-          "rejection sampler", helpers=("rejection_sample_batched",),
+          "rejection sampler", helpers=("rejection_sample_batched", "tree_rejection_sample"),
           routes=(("rejection_sample_batched", "rejection_sample(draft_token_ids, draft_probs, target_probs, "
-                                               "generators, num_draft_tokens=num_draft_tokens, greedy=greedy)"),)),
+                                               "generators, num_draft_tokens=num_draft_tokens, greedy=greedy)"),
+                  # a chain is a tree: the tree rule, child by child, through the chain sampler (k = 1)
+                  ("tree_rejection_sample", "exercises.tree_rejection_through(parents, tokens, target_probs, "
+                                            "draft_probs, generator)"))),
     Piece("ngram", "ex5", "ex5_ngram", "ngram_propose", "minibatch.spec_decode.ngram", "n-gram proposer"),
     Piece("block_allocator", "ex6", "ex6_block_allocator", "BlockAllocator", "minibatch.kv.block_allocator",
           "block allocator"),
@@ -89,7 +157,7 @@ PIECES = {p.name: p for p in (
           also=("softmax", "matmul", "gather"),
           helpers=("_add_kernel", "_softmax_kernel", "_matmul_kernel", "_gather_kernel")),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
-          "paged decode kernel", helpers=("_paged_decode_kernel",)),
+          "paged decode kernel", helpers=("_paged_decode_kernel",), elsewhere=_PAGED_DECODE_ELSEWHERE),
 )}
 BY_PART = {p.part: p for p in PIECES.values()}
 
@@ -321,7 +389,186 @@ def call_student(name: str, *args, **kwargs):
     if kwargs:                                 # what the engine passes beyond the exercise's own signature
         from minibatch.kv.checks import check_accepts
         check_accepts(fn, list(kwargs), f"your {func} (exercises/{p.stem}.py)")
-    return fn(*args, **kwargs)
+    key = f"{p.name}.{func}"
+    running = _running()
+    if key in running:                         # the student's function called an engine path that computes
+        raise RuntimeError(                    # through it (a stand-in, a routed fast path or kernel): a loop
+            f"exercises/{p.stem}.py: your {func} calls into the engine (minibatch/ or kernels/) for its answer, but "
+            f"in the student release whatever computes exercise {p.part[2:]} ({p.title}) there computes it through "
+            f"your own {func} (a loop): write it yourself")
+    running.add(key)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        running.discard(key)
+
+
+_CALLS = threading.local()      # per thread: the student functions call_student is inside now
+
+
+def _running() -> set:
+    if not hasattr(_CALLS, "keys"):
+        _CALLS.keys = set()
+    return _CALLS.keys
+
+
+# -- the engine's other paths, computed through a piece -----------------------------------------------------------
+# A student release keeps no second implementation of a held-out part (``Piece.routes``, ``Piece.elsewhere``): a
+# fast backend, a tree path or a kernel that computed the same thing keeps its signature with a body that calls one
+# of these. Each reaches the part through the engine's own name (in a release the stand-in, so the student's code;
+# in this repository the reference) and adds bookkeeping only: no softmax and no acceptance rule of its own.
+
+def as_decodes(key_cache, value_cache, block_tables, seq_lens, query_start_loc, tree_bits=None) -> tuple:
+    """Every query row of a paged-attention step as a decode of a sequence of its own: (key_cache, value_cache,
+    block_tables [T, W], seq_lens [T]) such that decode attention of query row t over sequence t is the step's
+    attention for row t. Without a tree, row t (query i of sequence b) sees the prefix of b up to its own position:
+    the same blocks, a shorter length, nothing copied. With a tree (``tree_bits``, see ``minibatch/kv/backends.py``)
+    it sees the context and its ancestors, not a prefix: their keys and values are gathered, in order, into blocks
+    of a cache of their own, found through the slot mapping (``kv_cache.slot_mapping``, exercise 1's)."""
+    import torch
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    seq, pos = [], []                                       # per query row: its sequence, its position
+    for b, L in enumerate(lens):
+        n = qsl[b + 1] - qsl[b]
+        seq += [b] * n
+        pos += range(L - n, L)
+    if tree_bits is None:
+        rows = torch.tensor(seq, dtype=torch.long, device=block_tables.device)
+        return (key_cache, value_cache, block_tables[rows],
+                torch.tensor([p + 1 for p in pos], dtype=seq_lens.dtype, device=seq_lens.device))
+    from minibatch.kv import kv_cache
+    N, bs, Hkv, D = key_cache.shape
+    bits, tables = tree_bits.tolist(), block_tables.tolist()
+    used = sorted(set(seq))
+    slots = kv_cache.slot_mapping([tables[b] for b in used], [0] * len(used), [lens[b] for b in used], bs).tolist()
+    first, at = {}, 0                                      # sequence b's positions start at slots[first[b]]
+    for b in used:
+        first[b], at = at, at + lens[b]
+    seen = []
+    for t, (b, p) in enumerate(zip(seq, pos)):
+        ctx = lens[b] - (qsl[b + 1] - qsl[b])              # node r of this step sits at position ctx + r
+        seen.append([slots[first[b] + j] for j in range(p + 1) if j < ctx or (bits[t] >> min(j - ctx, 63)) & 1])
+    width = max(1, max((-(-len(r) // bs) for r in seen), default=1))     # blocks per row
+    pad = [0 if not r else r[0] for r in seen]             # past a row's length: its first key again (finite)
+    flat = torch.tensor([r[i] if i < len(r) else pad[t] for t, r in enumerate(seen) for i in range(width * bs)],
+                        dtype=torch.long, device=key_cache.device)
+    kc, vc = (x.reshape(N * bs, Hkv, D).index_select(0, flat).view(len(seen) * width, bs, Hkv, D)
+              for x in (key_cache, value_cache))
+    table = torch.arange(len(seen) * width, dtype=block_tables.dtype, device=block_tables.device)
+    return kc, vc, table.view(len(seen), width), torch.tensor([len(r) for r in seen], dtype=seq_lens.dtype,
+                                                              device=seq_lens.device)
+
+
+def attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
+                      who=None):
+    """Paged attention of any step (prefill, chunks, decodes, verification, a token tree) by exercise 2's function,
+    the engine's ``backends.paged_attention_loop``. That function knows the causal mask only, so a step with a tree
+    goes as one decode per query row (``as_decodes``). ``who``: check the inputs first, as that function would."""
+    import torch
+    from minibatch.kv import backends
+    if who is not None:
+        from minibatch.kv.checks import _check_attention
+        _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who,
+                         tree_bits)
+    if query.shape[0] == 0:
+        return torch.zeros_like(query)
+    if tree_bits is not None:
+        key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
+                                                                    query_start_loc, tree_bits)
+        query_start_loc = torch.arange(query.shape[0] + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    return backends.paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+    """Exercise 9's kernel launched as its given launcher (``paged_decode``) launches it, on inputs the engine has
+    checked once (no host sync, so a CUDA graph can hold it), into ``out``; returns ``out``. In a release the kernel
+    is the student's."""
+    import triton
+    if "paged_decode" in REMOVED:
+        p = PIECES["paged_decode"]
+        kernel = _checked_student("paged_decode").__globals__.get("_paged_decode_kernel")
+        if kernel is None:
+            raise RuntimeError(f"exercises/{p.stem}.py has no _paged_decode_kernel: the engine's Triton attention "
+                               f"launches yours (kernels/ has no other in the student release)")
+    else:
+        from kernels.paged_decode import _paged_decode_kernel as kernel
+    B, H, D = query.shape
+    if B:
+        kernel[(B, H)](query, key_cache, value_cache, out, block_tables, seq_lens, float(scale),
+                       *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
+                       block_tables.stride(0), D, QUERIES_PER_KV=H // key_cache.shape[2],
+                       BLOCK_SIZE=key_cache.shape[1], BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+def attention_through_decode(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                             tree_bits=None):
+    """Paged attention of any step by exercise 9's decode kernel, one decode per query row (``as_decodes``), into
+    ``out``; returns ``out``."""
+    if query.shape[0] == 0:
+        return out
+    key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
+                                                                query_start_loc, tree_bits)
+    return launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def tree_rejection_through(parents, tokens, target_probs, draft_probs=None, generator=None) -> tuple:
+    """A token tree verified (``rejection_sampler.tree_rejection_sample``'s contract and rule) by exercise 4's chain
+    sampler, the engine's ``rejection_sample``, called with one draft at a time.
+
+    At a node, the children are tried in order against what is left of the target's p there (every draw from
+    ``generator``):
+    * without draft_probs (children chosen deterministically): the first child as a one-hot draft; on a
+      rejection the chain sampler draws from p without it, and that draw picks the next child (the first later
+      child with that token) or, if none has it, is the correction token: trying the children one by one, each
+      accepted with its share of what is left, gives each exactly that chance;
+    * with draft_probs (children drawn from q): each child in turn, accepted with min(1, p(x)/q(x)); after a
+      rejection p becomes the residual norm(max(0, p - q)), and after the last the chain sampler's draw (from
+      that residual) is the correction token.
+    A node without children: the bonus token, the chain sampler's draw when it has no draft to check."""
+    import torch
+    from minibatch.kv import tree
+    sample = importlib.import_module("minibatch.spec_decode.rejection_sampler").rejection_sample
+    parents = tree.check_parents(parents)
+    n = len(parents)
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    if len(tokens) != n:
+        raise ValueError(f"tokens has {len(tokens)} entries for a tree of {n} nodes (root included)")
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 2 or target_probs.shape[0] != n:
+        raise ValueError(f"target_probs must be [N+1, V] = [{n}, V], got {tuple(getattr(target_probs, 'shape', ()))}")
+    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or draft_probs.shape != target_probs.shape):
+        raise ValueError(f"draft_probs must be [N+1, V] = [{n}, {target_probs.shape[1]}] (or None), "
+                         f"got {tuple(getattr(draft_probs, 'shape', ()))}")
+    p_all = target_probs.detach().double().cpu()
+    q_all = None if draft_probs is None else draft_probs.detach().double().cpu()
+
+    def step(x, q, p):
+        """(accepted?, the token drawn on a rejection or as the bonus) of one chain step; x None: the bonus."""
+        toks, acc = sample(torch.tensor([[-1 if x is None else x]]), None if q is None else q[None, None],
+                           torch.stack([p, p])[None], [generator], num_draft_tokens=[0 if x is None else 1],
+                           greedy=[False])
+        return int(acc[0]) == 1, int(toks[0, int(acc[0])])
+
+    kids, path = tree.children(parents), [0]
+    while True:
+        node, p, nxt, drawn = path[-1], p_all[path[-1]], None, None
+        if not kids[node]:
+            drawn = step(None, None, p)[1]
+        elif q_all is None:
+            ok, drawn = step(tokens[kids[node][0]], None, p)
+            nxt = kids[node][0] if ok else next((c for c in kids[node][1:] if tokens[c] == drawn), None)
+        else:
+            for c in kids[node]:
+                ok, drawn = step(tokens[c], q_all[node], p)
+                if ok:
+                    nxt = c
+                    break
+                residual = (p - q_all[node]).clamp(min=0)
+                if residual.sum() > 0:                     # all zero only if p == q (then no rejection happens)
+                    p = residual / residual.sum()
+        if nxt is None:
+            return path, [tokens[i] for i in path[1:]] + [drawn]
+        path.append(nxt)
 
 
 class StudentsClass(type):
@@ -410,4 +657,5 @@ def patch_engine(spec: str | None = None) -> EnginePatch:
 
 __all__ = ["PIECES", "Piece", "get", "reference", "student", "selected", "student_dir", "patch_engine",
            "EnginePatch", "piece", "function", "REMOVED", "ReferenceRemoved", "Unfinished", "unfinished", "unwritten",
-           "call_student", "StudentsClass", "static_over"]
+           "call_student", "StudentsClass", "static_over", "as_decodes", "attention_through", "launch_paged_decode",
+           "attention_through_decode", "tree_rejection_through"]

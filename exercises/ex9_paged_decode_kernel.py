@@ -46,8 +46,10 @@ Triton in ten lines (https://triton-lang.org, "triton.language"):
     set by tests/conftest.py), where ``print(x)`` inside the kernel works; ``tl.device_print("x", x)``
     works everywhere.
 
-``kernels/README.md`` explains the kernels; the general one, ``kernels/paged_attention.py``, does this and
-more (a student release leaves the reference decode kernel out of ``kernels/paged_decode.py``).
+``kernels/README.md`` explains the kernels (the conventions, the paging, the online softmax). A student release
+holds every attention kernel back: ``kernels/paged_decode.py``'s, and the general and flash-decode ones too, whose
+launchers there run your kernel instead (the engine's "triton" backend then decodes, and prefills one query row at
+a time, on yours).
 
 Run the tests:  MINIBATCH_STUDENT=paged_decode python -m pytest tests/exercises -m ex9
 """

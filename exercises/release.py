@@ -10,6 +10,12 @@ A copy of this repository for students, in which the reference of every chosen p
   stand-in too.
   So the engine, the notebooks and the benchmarks run on the student's code, and a student file that
   re-exports the engine's name gets the stand-in back, which says so instead of passing;
+* nothing else in the release computes a held-out part: every other implementation of it (``Piece.routes``, in the
+  part's module, and ``Piece.elsewhere``, anywhere: ex2's "batched" and "cpu" backends, ex4's tree sampler, ex9's
+  general and flash-decode kernels) is cut, or keeps its signature with a body that computes through the
+  student's piece (``exercises.attention_through``, ``tree_rejection_through``, ``launch_paged_decode``). A student
+  file that calls one back for its answer gets a clear error (a loop through its own function), not a pass: the
+  wrapper mutants (``exercises/mutants/*_wraps_*.py``) check that;
 * ``exercises/_release.py`` lists the parts held out: ``exercises.reference()`` refuses them, and a test
   outside ``tests/exercises`` (and a notebook cell) that reaches an unfinished one is skipped, saying which;
 * the graded tests are the instructor's own: they compare with independent oracles (they never call the
@@ -80,6 +86,28 @@ def _definitions(tree: ast.Module) -> dict:
     return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
+def _top_level(tree: ast.Module) -> dict:
+    """name -> its top-level definition: a function, a class, or an assignment to that one name."""
+    out = _definitions(tree)
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            out.setdefault(n.targets[0].id, n)
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None:
+            out.setdefault(n.target.id, n)
+    return out
+
+
+def elsewhere(pieces) -> dict:
+    """module -> {name: (piece, return expression or None)}: what a release holding ``pieces`` out does to the
+    other implementations of their parts (``Piece.elsewhere``); a definition two of them name goes the later one's
+    way (PIECES' order: exercise 9's kernels launch the decode kernel when both 2 and 9 are held out)."""
+    out: dict = {}
+    for p in exercises.in_order(q.name for q in pieces):
+        for module, name, expression in p.elsewhere:
+            out.setdefault(module, {})[name] = (p, expression)
+    return out
+
+
 def _span(node) -> tuple:
     """(first line, last line), 1-based, of a definition with its decorators."""
     return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
@@ -124,9 +152,10 @@ def _routed_helper(lines: list, node: ast.FunctionDef, p: exercises.Piece, expre
     has_doc = isinstance(body0, ast.Expr) and isinstance(body0.value, ast.Constant) and isinstance(body0.value.value, str)
     head = "".join(lines[_span(node)[0] - 1:body0.lineno - 1])
     doc = "".join(lines[body0.lineno - 1:body0.end_lineno]) if has_doc else ""
+    use = "    import exercises\n" if "exercises." in expression else ""
     return (f"{head}{doc}"
             f"    # held out of the student release: computed through yours, exercises/{p.stem}.py\n"
-            f"    return {expression}\n")
+            f"{use}    return {expression}\n")
 
 
 def _stand_in_class(node: ast.ClassDef, p: exercises.Piece) -> str:
@@ -158,6 +187,37 @@ def cut(source: str, p: exercises.Piece) -> str:
             new = _stand_in_class(node, p)
         else:
             new = _stand_in_function(lines, node, p)
+        lines[first - 1:last] = [new]
+    out = "".join(lines)
+    ast.parse(out)
+    return out
+
+
+def cut_elsewhere(source: str, module: str, plan: dict) -> str:
+    """``source`` (``module``'s) with each definition ``plan`` names ({name: (piece, expression)}) cut (None) or
+    kept with a body that computes through the student's piece (an assignment: that value, ``$VALUE`` the old; or
+    a function of the old value's source that returns the new)."""
+    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    defs = _top_level(tree)
+    missing = sorted(set(plan) - set(defs))
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: not defined at the top of {module} "
+                         f"(Piece.elsewhere of {', '.join(sorted({plan[m][0].name for m in missing}))})")
+    for name in sorted(plan, key=lambda n: -defs[n].lineno):                  # bottom up: line numbers hold
+        p, expression = plan[name]
+        node = defs[name]
+        first, last = _span(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else (node.lineno,
+                                                                                              node.end_lineno)
+        if expression is None:
+            new = (f"# {name}: held out of the student release, which computes {p.title} through yours only "
+                   f"(exercises/{p.stem}.py)\n")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            old = ast.get_source_segment(source, node.value)
+            value = expression(old) if callable(expression) else expression.replace("$VALUE", old)
+            new = (f"# held out of the student release: {p.title} is computed through yours, exercises/{p.stem}.py\n"
+                   f"{name} = {value}\n")
+        else:
+            new = _routed_helper(lines, node, p, expression)
         lines[first - 1:last] = [new]
     out = "".join(lines)
     ast.parse(out)
@@ -279,6 +339,10 @@ def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REP
     for p in pieces:
         target = out / module_path(p)
         target.write_text(cut(target.read_text(), p))
+    for module, plan in elsewhere(pieces).items():       # the parts' other implementations (Piece.elsewhere)
+        target = out / (module.replace(".", "/") + ".py")
+        if target.exists():                              # a module this checkout lacks has nothing to give away
+            target.write_text(cut_elsewhere(target.read_text(), module, plan))
     names = ", ".join(repr(p.name) for p in pieces)
     (out / "exercises" / "_release.py").write_text(
         '"""Written by exercises/release.py: the parts whose reference this student release leaves out."""\n'

@@ -7,6 +7,10 @@ temporary directory that holds a full set of student files.
   * the reference behind the student switch (thin files that call minibatch/): every test passes;
   * each mutant in exercises/mutants/<piece>_<bug>.py, in place of that piece's file,
     graded on its part only (-m exN -x): at least one test fails.
+A *wrapper* mutant (<piece>_wraps_<what>.py) answers its part by calling another implementation of it that this
+repository has (a batched backend, the tree sampler, a kernel): right here, by design, so it is graded where it
+must fail, in a built student release that cuts or reroutes that implementation (tests/test_release.py,
+test_every_wrapper_mutant_fails_in_the_release); here every part must have one.
 The sessions are forked from one process that imported torch once (exercises/_harness.py).
 Also here: the switch itself (exercises.get / selected / patch_engine).
 """
@@ -22,6 +26,10 @@ from exercises import _harness, unwritten
 
 PKG = Path(exercises.__file__).resolve().parent
 MUTANTS = sorted((PKG / "mutants").glob("*.py"))
+WRAPPERS = [m for m in MUTANTS if "_wraps_" in m.stem]       # graded in a release (tests/test_release.py)
+# A part without a wrapper mutant, and why: nothing in the release computes it but torch itself, which its graded
+# tests take as the oracle (they cannot tell a Triton launch from ``x + y``).
+NO_WRAPPER = {"triton_warmup": "the puzzles' only other implementation is torch (x + y, softmax, a @ b, table[idx])"}
 COMMON = ["-q", "-p", "no:cacheprovider", str(_harness.TESTS)]
 
 
@@ -86,7 +94,7 @@ def graded(tmp_path_factory):
     add("reference", "all", shim_files(tmp / "reference"), [])
     for m in MUTANTS:
         p = mutant_piece(m)
-        if p is not None:
+        if p is not None and m not in WRAPPERS:
             add(m.stem, p.name, student_files(tmp / m.stem, (p, m)), ["-x", "-m", p.part])
     rcs = _harness.run(jobs)
     out = {}
@@ -154,7 +162,16 @@ def test_reference_passes_every_graded_test(graded):
     assert len(results) == len(graded["stubs"][1]), "the stub and reference sessions collected different tests"
 
 
-@pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS])
+def test_every_part_has_a_wrapper_mutant():
+    """Issue 36: a release gives nothing away, so every part has a mutant that calls the in-release alternative
+    (tests/test_release.py grades each in a built release, where it must fail)."""
+    for p in exercises.PIECES.values():
+        mine = [m.name for m in WRAPPERS if mutant_piece(m) == p]
+        assert bool(mine) != (p.name in NO_WRAPPER), \
+            f"{p.name}: wrapper mutants {mine}; NO_WRAPPER says {NO_WRAPPER.get(p.name)!r}"
+
+
+@pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS if m not in WRAPPERS])
 def test_mutant_fails_a_graded_test(graded, mutant):
     rc, results, log = graded[mutant]
     part = mutant_piece(PKG / "mutants" / f"{mutant}.py").part
@@ -315,3 +332,90 @@ def test_patch_engine_sends_decode_steps_to_the_students_kernel(monkeypatch, tmp
     assert kernels.paged_attention is general
     assert got == want
     assert exercises.student("paged_decode").__globals__["CALLS"], "no decode step reached the student's kernel"
+
+
+# -- the engine's other paths through a piece (what a release's fast paths and kernels compute with) -------------
+
+def _tree_attention_helpers():
+    """tests/test_tree_attention.py's step builder and oracle (one file of them for the suite)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_tree_attention_helpers",
+                                                  Path(__file__).resolve().parent / "test_tree_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("shape", ["chain", "bushy", "random64"])
+def test_attention_through_computes_trees_and_chunks_with_the_causal_loop_only(monkeypatch, shape):
+    """ex2 in a release: "batched", "cpu" and the kernels compute through the student's causal function. A step
+    with a prefill, a chunk, decodes and two token trees gives the oracle's answer, the loop never sees tree_bits,
+    and it is the only attention that runs."""
+    import torch
+    from minibatch.kv import backends
+    h = _tree_attention_helpers()
+    md, kc, vc, q, K, V, parents = h.make_step(h.mixed(shape), 4, 2, 16, 8, seed=3)
+    calls, loop = [], backends.paged_attention_loop
+
+    def causal_only(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return loop(*args, **kwargs)
+    monkeypatch.setattr(backends, "paged_attention_loop", causal_only)
+    monkeypatch.setattr(backends, "_batched", None)             # no other attention may run
+    out = exercises.attention_through(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, 0.25,
+                                      tree_bits=md.tree_bits, who="paged_attention_batched")
+    torch.testing.assert_close(out.double(), h.oracle(md, q, K, V, parents, 0.25), atol=1e-5, rtol=1e-5)
+    assert calls == [[]]
+    with pytest.raises(ValueError, match="paged_attention_batched"):     # ``who``: the public function's checks
+        exercises.attention_through(q, kc, vc, md.block_tables, md.seq_lens * 0, md.query_start_loc, 0.25,
+                                    who="paged_attention_batched")
+
+
+@pytest.mark.interpreter
+def test_attention_through_decode_runs_a_general_step_on_the_decode_kernel():
+    """ex9 in a release: the general kernel's launcher launches the decode kernel, one decode per query row."""
+    import torch
+    h = _tree_attention_helpers()
+    md, kc, vc, q, K, V, parents = h.make_step(h.mixed("bushy", c=5), 4, 2, 16, 8, seed=4)
+    out = torch.full_like(q, float("nan"))
+    got = exercises.attention_through_decode(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, out,
+                                             tree_bits=md.tree_bits)
+    assert got is out
+    torch.testing.assert_close(out.double(), h.oracle(md, q, K, V, parents, 0.25), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_tree_rejection_through_has_the_tree_rules_distribution(with_q):
+    """ex4 in a release: a token tree verified child by child through the chain sampler draws (path, tokens) from
+    the same distribution as the tree rule itself."""
+    import collections
+    import torch
+    from minibatch.spec_decode.rejection_sampler import tree_rejection_sample
+    g = torch.Generator().manual_seed(0)
+    parents, tokens = [-1, 0, 0, 0, 1, 1, 4], [0, 1, 2, 1, 3, 0, 2]        # a repeated token among siblings too
+    p = torch.softmax(torch.randn(7, 4, generator=g) * 1.5, -1).double()
+    q = torch.softmax(torch.randn(7, 4, generator=g), -1).double() if with_q else None
+    n = 3000
+    counts = []
+    for fn in (tree_rejection_sample, exercises.tree_rejection_through):
+        gen = torch.Generator().manual_seed(1)
+        counts.append(collections.Counter(tuple(map(tuple, fn(parents, tokens, p, q, gen))) for _ in range(n)))
+    for key in set(counts[0]) | set(counts[1]):
+        a, b = counts[0][key] / n, counts[1][key] / n
+        assert abs(a - b) < 4 * ((a + b) / 2 * (1 - (a + b) / 2) * 2 / n) ** 0.5 + 2 / n, (key, a, b)
+
+
+def test_a_student_function_that_calls_back_through_the_engine_is_a_clear_error(monkeypatch):
+    """A student's function that asks an engine path for its answer, where that path computes through the same
+    function (a release's stand-in, routed fast path or kernel), stops with a message, not a RecursionError."""
+    calls = []
+
+    def students(*args):
+        calls.append(args)
+        return exercises.call_student("ngram", *args)       # what a routed engine path does with it
+
+    monkeypatch.setattr(exercises, "_checked_student", lambda name: students)
+    with pytest.raises(RuntimeError, match="calls into the engine .* for its answer"):
+        exercises.call_student("ngram", [1, 2, 1], 2)
+    assert len(calls) == 1
+    assert not exercises._running()                         # the guard is left clean for the next call

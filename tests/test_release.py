@@ -130,6 +130,25 @@ def _bodies(p: exercises.Piece) -> dict:
     return out
 
 
+def _elsewhere_bodies() -> dict:
+    """module.name -> the normalised body lines of each other implementation a release cuts or routes
+    (``Piece.elsewhere``: a batched backend, a kernel), from the instructor's module."""
+    out = {}
+    for module, plan in release.elsewhere(exercises.PIECES.values()).items():
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            continue
+        src = path.read_text()
+        lines = src.splitlines()
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.FunctionDef) and node.name in plan:
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                out[f"{module}.{node.name}"] = _lines("\n".join(lines[body[0].lineno - 1:body[-1].end_lineno]))
+            elif isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets][0] in plan:
+                out[f"{module}.{ast.unparse(node.targets[0])}"] = _lines(ast.get_source_segment(src, node.value))
+    return out
+
+
 def test_no_reference_body_is_left_in_the_release(built):
     out, _, _ = built
     texts = {}
@@ -140,16 +159,17 @@ def test_no_reference_body_is_left_in_the_release(built):
                 text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
             texts[f.relative_to(out)] = "\n".join(_lines(text))
     checked = 0
-    for p in exercises.PIECES.values():
-        for name, body in _bodies(p).items():
-            windows = [body[i:i + 5] for i in range(max(1, len(body) - 4))]
-            windows = [w for w in windows if sum(len(x) for x in w) >= 120]    # not boilerplate shared by any loop
-            for w in windows:
-                needle = "\n".join(w)
-                hits = [str(f) for f, t in texts.items() if needle in t]
-                assert not hits, f"{p.part} {name}: its lines\n{needle}\nare in the release: {hits}"
-            checked += 1
-    assert checked >= 15, checked
+    bodies = [(p.part, name, body) for p in exercises.PIECES.values() for name, body in _bodies(p).items()]
+    bodies += [("elsewhere", name, body) for name, body in _elsewhere_bodies().items()]
+    for part, name, body in bodies:
+        windows = [body[i:i + 5] for i in range(max(1, len(body) - 4))]
+        windows = [w for w in windows if sum(len(x) for x in w) >= 120]    # not boilerplate shared by any loop
+        for w in windows:
+            needle = "\n".join(w)
+            hits = [str(f) for f, t in texts.items() if needle in t]
+            assert not hits, f"{part} {name}: its lines\n{needle}\nare in the release: {hits}"
+        checked += 1
+    assert checked >= 25, checked
 
 
 def test_the_untouched_stubs_score_zero(built, tmp_path):
@@ -191,6 +211,50 @@ def test_a_re_export_of_the_engines_name_is_not_the_reference(built, tmp_path):
     assert "hands back minibatch.kv.block_allocator.BlockAllocator" in outputs
     for name in ("ancestor_mask", "positions", "greedy_path"):
         assert f"hands the call back to minibatch.kv.tree.{name}" in outputs, name
+
+
+WRAPPERS = sorted((ROOT / "exercises" / "mutants").glob("*_wraps_*.py"))
+
+
+def _piece_of(path: Path) -> exercises.Piece:
+    return max((p for p in exercises.PIECES.values() if path.stem.startswith(p.name + "_")), key=lambda p: len(p.name))
+
+
+def test_every_wrapper_mutant_fails_in_the_release(built, tmp_path):
+    """A wrapper mutant (``exercises/mutants/<piece>_wraps_<what>.py``) answers its part by calling another
+    implementation of it that the instructor's repository has (a batched backend, the tree sampler, the general
+    kernel, the engine's own class). In the release every such implementation is cut or computes through the
+    student's own file (``Piece.routes``, ``Piece.elsewhere``), so each wrapper must fail a graded test of its part
+    there: graded as a student's file is (its own pytest session over the release's tests/exercises, ``-m exN -x``),
+    beside the instructor's solutions of every other part, and failing for what it calls, not for failing to load."""
+    out, sol, _ = built
+    assert WRAPPERS, "no wrapper mutant in exercises/mutants"
+    jobs, names = [], []
+    for m in WRAPPERS:
+        p = _piece_of(m)
+        if grader.unavailable(p.part):                      # ex9 without Triton: nothing of it is collected here
+            continue
+        student = tmp_path / m.stem
+        shutil.copytree(sol, student)
+        shutil.copy(m, student / f"{p.stem}.py")
+        junit = tmp_path / f"{m.stem}.xml"
+        jobs.append({"args": ["-q", "-p", "no:cacheprovider", "tests/exercises", "-m", p.part, "-x",
+                              f"--junitxml={junit}"],
+                     "env": {"MINIBATCH_STUDENT_DIR": str(student)}, "log": str(tmp_path / f"{m.stem}.log")})
+        names.append((m.stem, p.part, junit))
+    server = subprocess.run([sys.executable, "-m", "exercises._harness"], input=json.dumps(jobs), cwd=out,
+                            env=env(out), capture_output=True, text=True, timeout=1500)
+    assert server.returncode == 0, server.stdout[-2000:] + server.stderr[-2000:]
+    rcs = json.loads(server.stdout.strip().splitlines()[-1])
+    from exercises import _harness
+    for (stem, part, junit), rc in zip(names, rcs):
+        log = (tmp_path / f"{stem}.log").read_text(errors="replace")
+        results = _harness.parse_junit(junit) if junit.exists() else []
+        failed = [r for r in results if r.outcome == "failed" and r.part == part]
+        assert rc == 1 and failed, f"{stem} passed every {part} test it ran in the release (exit {rc}):\n{log[-3000:]}"
+        assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError",
+                                                                "ModuleNotFoundError", "ImportError")), \
+            f"{stem} failed to load in the release, not for what it calls:\n{failed[0].output[:2000]}"
 
 
 def _pytest_outcome(p: subprocess.CompletedProcess) -> str:
