@@ -189,8 +189,20 @@ def test_the_cost_model_reads_the_llama_from_its_checkpoint_and_bench_kv_prints_
     from minibatch.bench.kv_efficiency import main
     from minibatch.perf.models import get_model
     prof, model = get_model("llama"), load_model("llama", device="cpu")
-    assert prof.num_params == model.num_params() and (prof.n_heads, prof.n_kv_heads) == (4, 2)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)      # the cost model leaves out norms
+    assert prof.num_params == matrices and (prof.n_heads, prof.n_kv_heads) == (4, 2)
     kv = main(["--num-requests", "8", "--max-len", "64"])["kv_bytes_per_token"]
     assert kv["llama"] * 4 // 2 == kv["target"]                  # same width and depth: x Hkv / H
     assert kv["llama-3-8b"] == 2 * 32 * 8 * 128 * 2                # 128 KiB a token in bf16
     assert "llama" in capsys.readouterr().out
+
+
+def test_the_gpt_draft_samples_as_the_llama_does():
+    """Lossless on sampled output too: with the GPT draft proposing for the Llama, the first three sampled tokens
+    follow the Llama's exact joint distribution (the same chi-square as tests/test_spec_methods.py)."""
+    if not (WEIGHTS_DIR / "llama.json").exists():
+        pytest.skip("the shipped llama is trained by python -m minibatch.model.train --preset llama")
+    from test_spec_methods import chi_square, exact_joint, sample_tokens
+    llama = load_model("llama", device="cpu")
+    chi2, crit = chi_square(sample_tokens(llama, "draft", 1), exact_joint(llama))
+    assert chi2 < crit, f"chi-square {chi2:.1f} rejects the Llama's distribution at the 0.001 level ({crit:.1f})"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import minibatch.engine.model_runner as model_runner
+import minibatch.engine.engine as engine
 from minibatch import LLM, SamplingParams
 from minibatch.model.model import forward_sequences
 from minibatch.sampling.reference import generate
@@ -177,7 +177,7 @@ def _from_the_draft(bonus_only):
 
 @pytest.mark.parametrize("bonus_only", [False, True])
 def test_a_sampler_that_takes_the_draft_fails_the_check(target_model, exact, monkeypatch, bonus_only):
-    monkeypatch.setattr(model_runner, "rejection_sample", _from_the_draft(bonus_only))
+    monkeypatch.setattr(engine, "REJECTION_SAMPLE", _from_the_draft(bonus_only))     # the part engines are built with
     chi2, crit = chi_square(sample_tokens(target_model, METHODS[0], 1), exact)
     assert chi2 > 2 * crit, f"the check missed a sampler that takes the {'bonus' if bonus_only else 'correction'} " \
                             f"token from the draft: chi-square {chi2:.1f}, critical value {crit:.1f}"
