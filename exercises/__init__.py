@@ -459,6 +459,13 @@ def as_decodes(key_cache, value_cache, block_tables, seq_lens, query_start_loc, 
                                                               device=seq_lens.device)
 
 
+def _only_causal(tree_bits, query_start_loc) -> bool:
+    """Every row's tree mask is the causal one (a chain given as a tree; -1): row i of its sequence sees nodes 0..i."""
+    qsl, bits = query_start_loc.tolist(), tree_bits.tolist()
+    return all(bits[t] == -1 or bits[t] & ((1 << (t - qsl[b] + 1)) - 1) == (1 << (t - qsl[b] + 1)) - 1
+               for b in range(len(qsl) - 1) for t in range(qsl[b], qsl[b + 1]))
+
+
 def attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
                       who=None):
     """Paged attention of any step (prefill, chunks, decodes, verification, a token tree) by exercise 2's function,
@@ -472,7 +479,7 @@ def attention_through(query, key_cache, value_cache, block_tables, seq_lens, que
                          tree_bits)
     if query.shape[0] == 0:
         return torch.zeros_like(query)
-    if tree_bits is not None:
+    if tree_bits is not None and not _only_causal(tree_bits, query_start_loc):
         key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
                                                                     query_start_loc, tree_bits)
         query_start_loc = torch.arange(query.shape[0] + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
