@@ -9,7 +9,8 @@ import torch
 from minibatch import LLM, SamplingParams
 from minibatch.distributed.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from minibatch.distributed.tp_engine import WorkerDied
-from minibatch.distributed.tp_model import shard_gpt
+from minibatch.distributed.tp_model import shard_gpt, shard_llama
+from minibatch.model.llama import Llama, LlamaConfig
 from minibatch.model.model import DenseAttention
 from minibatch.trace import TraceRecorder
 
@@ -137,3 +138,31 @@ def test_the_heads_figure_matches_the_split(target_model):
     assert torch.equal(shard.h[0].attn.c_attn.weight[:2 * D], full_w[heads[0] * D:(heads[-1] + 1) * D])
     with pytest.raises(ValueError, match="do not divide"):
         head_owner(0, 4, 3)
+
+
+def test_the_llama_splits_by_kv_groups_and_tp2_equals_tp1():
+    """Grouped-query attention split by K/V groups: rank r holds K/V head r and its query heads 2r, 2r+1
+    (HF's repeat_kv layout), a cache of Hkv / W heads; a mixed batch with prefix hits and preemption gives
+    tp=1's tokens. A second K/V-group layout bug (query heads of another group on a rank) would change them."""
+    torch.manual_seed(0)
+    llama = Llama(LlamaConfig("tiny-llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128,
+                              n_ctx=256)).eval()
+    shard = shard_llama(llama, 1, 2)
+    D = llama.config.head_dim
+    full_attn, part = llama.layers[0].self_attn, shard.layers[0].self_attn
+    assert torch.equal(part.q_proj.weight, full_attn.q_proj.weight[2 * D:4 * D])       # query heads 2, 3
+    assert torch.equal(part.k_proj.weight, full_attn.k_proj.weight[D:2 * D])           # their K/V head 1
+    with pytest.raises(ValueError, match="does not divide the model's 2 K/V heads"):
+        LLM(llama, tensor_parallel_size=4)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    kw = dict(max_num_seqs=6, num_gpu_blocks=14, block_size=8, max_num_batched_tokens=64)
+    one = LLM(llama, **kw)
+    rec_one = _recorded(one)
+    want = _tokens(one, params)
+    assert one.llm_engine.allocator.hits > 0 and _preemptions(rec_one) > 0
+    two = LLM(llama, tensor_parallel_size=2, **kw)
+    try:
+        assert _tokens(two, params) == want
+        assert two.llm_engine.kv_cache.kv.shape[-2] == 1                                # one K/V head per rank
+    finally:
+        two.llm_engine.shutdown()

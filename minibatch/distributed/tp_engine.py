@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from minibatch.distributed import comm
-from minibatch.distributed.tp_model import check_tp_size, shard_gpt
+from minibatch.distributed.tp_model import check_tp_size, shard_model
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.kv_cache import KVCache
-from minibatch.model.model import GPT, DenseAttention, GPTConfig
+from minibatch.model.model import GPT, DenseAttention
+from minibatch.model.registry import build, config_from_dict, config_to_dict
 
 UNSPLITTABLE_METHODS = ("eagle", "early_exit")
 
@@ -186,10 +187,10 @@ def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state
     torch.set_num_threads(1)              # the driver owns the machine's other cores (engine/threads policy)
     comm.init(rank, world, addr, port, device, timeout_s)
     try:
-        full = GPT(GPTConfig(**config))
+        full = build(config_from_dict(config, "the driver's model"))       # any architecture the registry knows
         full.load_state_dict(state)
-        dtype = state["wte.weight"].dtype
-        shard = shard_gpt(full.to(device=device, dtype=dtype), rank, world).eval()
+        dtype = next(iter(state.values())).dtype
+        shard = shard_model(full.to(device=device, dtype=dtype), rank, world).eval()
         num_layers, num_blocks, block_size, heads, head_dim = cache_shape
         cache = KVCache(num_layers, num_blocks, block_size, heads, head_dim, dtype=dtype, device=device)
         with torch.inference_mode():
@@ -229,7 +230,7 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
     ctx = comm.spawn_context()
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     procs = [ctx.Process(target=worker_main, daemon=True, name=f"minibatch-tp-rank{r}",
-                         args=(r, world, addr, port, model.config.to_dict(), state, cache_shape,
+                         args=(r, world, addr, port, config_to_dict(model.config), state, cache_shape,
                                worker_device(model.device, r), timeout_s))
              for r in range(1, world)]
     for p in procs:
@@ -242,7 +243,7 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
             p.kill()
         raise
     group = TPGroup(procs, world)
-    return TPModel(shard_gpt(model, 0, world).eval(), group, model.num_params()), group
+    return TPModel(shard_model(model, 0, world).eval(), group, model.num_params()), group
 
 
 def start(model: GPT, engine_config, num_cache_blocks: int):

@@ -1,4 +1,6 @@
-"""GPT-2 split over ``world`` ranks by attention heads (Megatron-LM §3; vLLM's and nano-vllm's layout).
+"""A decoder split over ``world`` ranks by attention heads (Megatron-LM §3; vLLM's and nano-vllm's layout).
+
+GPT-2 first, then the Llama (``shard_llama`` below), whose heads are split by K/V groups.
 
 Per block, rank r holds:
   * attention: heads r·H/W .. (r+1)·H/W. ``c_attn`` (q, k and v in one matmul) is column-parallel, each of
@@ -14,6 +16,16 @@ vocabulary for big vocabularies: VocabParallelEmbedding / ParallelLMHead.)
 
 Every rank thus runs ``GPT.forward`` unchanged; only the modules inside the blocks differ. Two all-reduces of
 [T, C] per block: 2 · L · T · C · bytes cross the wire each forward (the README's TP section counts them).
+
+**The Llama, by K/V groups.** With grouped-query attention, query heads g·H/Hkv .. (g+1)·H/Hkv - 1 read K/V
+head g (Hugging Face's ``repeat_kv`` layout). A rank must hold whole groups, so that every query head it
+holds finds its K/V head in its own cache: rank r holds K/V heads r·Hkv/W .. (r+1)·Hkv/W - 1 and their query
+heads r·H/W .. (r+1)·H/W - 1, and ``tensor_parallel_size`` must divide Hkv. (vLLM also accepts W > Hkv by
+*replicating* each K/V head on W/Hkv ranks, which costs that much more cache; not built here.) q_proj,
+k_proj, v_proj are column-parallel at those boundaries, o_proj row-parallel; the SwiGLU MLP's gate_proj and
+up_proj column-parallel (F/W units each: silu(gate)·up is elementwise, so local), down_proj row-parallel.
+RMSNorm, the embedding and the tied head are replicated; RoPE is per head, so local. Still two all-reduces of
+[T, C] per layer.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import copy
 import torch.nn as nn
 
 from minibatch.distributed.parallel_linear import ColumnParallelLinear, RowParallelLinear, _check_split
+from minibatch.model.llama import Llama, apply_rotary
 from minibatch.model.model import GPT
 
 
@@ -29,13 +42,20 @@ def check_tp_size(config, world: int) -> None:
     """A clear error for a split that cannot be made, at construction."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
-    if world > 1 and config.architecture != "GPT2LMHeadModel":
-        raise ValueError(f"tensor parallelism splits GPT-2's fused c_attn by heads (tp_model.py); {config.name!r} is a "
-                         f"{config.architecture}, whose split by K/V groups is not built: use tensor_parallel_size=1")
+    if config.architecture not in SHARDERS:
+        if world > 1:
+            raise ValueError(f"tensor parallelism has no split for {config.architecture} ({config.name!r}); it splits "
+                             f"{sorted(SHARDERS)}: use tensor_parallel_size=1")
+        return
     if config.n_head % world:
         raise ValueError(f"tensor_parallel_size={world} does not divide the model's {config.n_head} attention heads "
                          f"({config.name}): each rank must hold whole heads; choose one of "
                          f"{[d for d in range(1, config.n_head + 1) if config.n_head % d == 0]}")
+    if config.num_kv_heads % world:
+        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {config.num_kv_heads} K/V heads "
+                         f"({config.name}): each rank must hold whole K/V groups (a K/V head and its "
+                         f"{config.n_head // config.num_kv_heads} query heads); choose one of "
+                         f"{[d for d in range(1, config.num_kv_heads + 1) if config.num_kv_heads % d == 0]}")
 
 
 class ParallelAttention(nn.Module):
@@ -75,3 +95,57 @@ def shard_gpt(model: GPT, rank: int, world: int) -> GPT:
         block.attn = ParallelAttention(block.attn, rank, world)
         block.mlp = ParallelMLP(block.mlp, rank, world)
     return local
+
+
+# -- the Llama: split by K/V groups -----------------------------------------------------------------------------------
+class ParallelLlamaAttention(nn.Module):
+    """``LlamaAttention`` on this rank's K/V groups: H / W query heads and Hkv / W K/V heads; x [T, C] -> [T, C]."""
+
+    def __init__(self, full, rank: int, world: int):
+        super().__init__()
+        cfg = full.cfg
+        self.n_head = _check_split(cfg.n_head, world, "the attention heads")
+        self.n_kv_head = _check_split(cfg.n_kv_head, world, "the K/V heads")
+        self.head_dim = cfg.head_dim
+        self.q_proj = ColumnParallelLinear(full.q_proj, rank, world)       # [H/W · D, C]: heads r·H/W ..
+        self.k_proj = ColumnParallelLinear(full.k_proj, rank, world)       # [Hkv/W · D, C]: their K/V heads
+        self.v_proj = ColumnParallelLinear(full.v_proj, rank, world)
+        self.o_proj = RowParallelLinear(full.o_proj, rank, world)          # [C, H/W · D]
+
+    def forward(self, x, layer_idx: int, attn, rope: tuple):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_head, self.head_dim)             # [T, H/W, D]
+        k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)          # [T, Hkv/W, D]
+        v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(attn(layer_idx, q, k, v).reshape(T, -1))
+
+
+class ParallelLlamaMLP(nn.Module):
+    def __init__(self, full, rank: int, world: int):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(full.gate_proj, rank, world)     # [F/W, C]
+        self.up_proj = ColumnParallelLinear(full.up_proj, rank, world)         # [F/W, C]
+        self.down_proj = RowParallelLinear(full.down_proj, rank, world)        # [C, F/W]
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def shard_llama(model: Llama, rank: int, world: int) -> Llama:
+    """A copy of ``model`` holding rank ``rank``'s K/V groups: the same ``Llama.forward``."""
+    check_tp_size(model.config, world)
+    local = copy.deepcopy(model)
+    for layer in local.layers:
+        layer.self_attn = ParallelLlamaAttention(layer.self_attn, rank, world)
+        layer.mlp = ParallelLlamaMLP(layer.mlp, rank, world)
+    return local
+
+
+SHARDERS = {"GPT2LMHeadModel": shard_gpt, "LlamaForCausalLM": shard_llama}   # architecture -> its split
+
+
+def shard_model(model, rank: int, world: int):
+    """Rank ``rank``'s shard of any model tensor parallelism can split (``check_tp_size`` says which)."""
+    check_tp_size(model.config, world)
+    return SHARDERS[model.config.architecture](model, rank, world)
