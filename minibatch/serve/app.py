@@ -10,14 +10,15 @@
     GET  /                 the live view: batch timeline and block pool, drawn from StepTraces
     GET  /live/events      those StepTraces, as server-sent events (?after=STEP: only later steps)
 
-Handlers never touch the engine: they hand prompts to the engine loop
-(``engine_loop.py``) and read their outputs from an asyncio queue. Every error
+Handlers never touch the engine: they hand prompts to the engine core, in a
+process of its own (``async_llm.py``, the default) or in a thread of this one
+(``engine_loop.py``), and read their outputs from an asyncio queue. Every error
 is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad input (bad JSON, unknown fields, bad values, a prompt over the
 context, a request that can never fit the cache), 404 for an unknown model,
-503 when the queue bound is reached. A client that goes away (a closed stream,
-a timed-out request) has its requests aborted, so their blocks return to the
-pool at the next step.
+503 when the queue bound is reached or the engine core is gone (the message
+names it). A client that goes away (a closed stream, a timed-out request) has
+its requests aborted, so their blocks return to the pool at the next step.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import itertools
 import json
 import time
 from contextlib import asynccontextmanager
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,15 +65,38 @@ class _AbortOnClose(StreamingResponse):
             self._on_close()
 
 
-def build_app(llm, served_model_name: str = "target", max_pending_requests: int = 256) -> FastAPI:
-    """A FastAPI app serving ``llm`` (a ``minibatch.LLM``); the engine loop runs while the app is up."""
-    engine = llm.llm_engine
-    max_model_len = llm.model.config.n_ctx
+ENGINE_CORES = ("process", "thread")
+
+
+def build_app(llm, served_model_name: str = "target", max_pending_requests: int = 256,
+              engine_core: Optional[str] = None) -> FastAPI:
+    """A FastAPI app serving an engine; the engine runs while the app is up.
+
+    ``engine_core="process"`` (the default when ``llm`` is a function): ``llm`` is a picklable function that makes
+    a ``minibatch.LLM`` (``functools.partial(LLM, "target", device="cpu")``), called in the engine-core process
+    (``async_llm.py``); this returns once the engine is built there, or raises what stopped it.
+    ``engine_core="thread"`` (the default when ``llm`` is an ``LLM``): the engine runs in a thread of this process
+    (``engine_loop.py``), as notebooks and most tests use it; a function is called here."""
+    built = hasattr(llm, "llm_engine")
+    engine_core = engine_core or ("thread" if built else "process")
+    if engine_core not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {list(ENGINE_CORES)}, got {engine_core!r}")
     metrics = ServerMetrics(served_model_name)
     feed = LiveFeed()
-    engine.add_hook(metrics.observe_step)
-    engine.add_hook(feed)
-    loop_ = EngineLoop(engine, max_pending_requests, metrics)
+    if engine_core == "thread":
+        llm = llm if built else llm()
+        engine = llm.llm_engine
+        max_model_len = llm.model.config.n_ctx
+        engine.add_hook(metrics.observe_step)
+        engine.add_hook(feed)
+        loop_ = EngineLoop(engine, max_pending_requests, metrics)
+    else:
+        if built:
+            raise ValueError("engine_core='process' builds the engine in a process of its own: pass a picklable "
+                             "function that makes the LLM (functools.partial(LLM, 'target', ...)), not an LLM")
+        from minibatch.serve.async_llm import AsyncLLM
+        loop_ = AsyncLLM(llm, max_pending_requests, metrics, hooks=[metrics.observe_step, feed])
+        max_model_len = loop_.max_model_len
     counter = itertools.count()
 
     @asynccontextmanager

@@ -29,6 +29,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from minibatch.engine.core import idle_check
+
 log = logging.getLogger("minibatch.serve")
 
 
@@ -78,12 +80,13 @@ class EngineLoop:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
 
-    def add(self, stream: RequestStream, prompts: list, params, arrival_time=None) -> concurrent.futures.Future:
+    def add(self, stream: RequestStream, prompts: list, params, arrival_time=None,
+            priority: int = 0) -> concurrent.futures.Future:
         """Queue the prompts of one HTTP request (all or none are admitted); the future resolves
         to None once they are in the engine, or raises ValueError / TypeError / ServerOverloaded.
         ``arrival_time`` (perf_counter seconds): when the HTTP request came in, as vLLM's API server stamps it,
         so TTFT includes the wait for the engine thread (a client's load generator sees that wait too)."""
-        return self._submit("add", stream, prompts, params, arrival_time)
+        return self._submit("add", stream, prompts, params, arrival_time, priority)
 
     def abort(self, request_ids: list) -> None:
         self._cmds.put(("abort", None, list(request_ids)))
@@ -154,14 +157,14 @@ class EngineLoop:
         except Exception as e:                                    # the handler turns it into a 4xx / 5xx
             fut.set_exception(e)
 
-    def _add(self, stream: RequestStream, prompts: list, params, arrival_time=None) -> None:
+    def _add(self, stream: RequestStream, prompts: list, params, arrival_time=None, priority: int = 0) -> None:
         if len(self._streams) + len(prompts) > self.max_pending_requests:
             raise ServerOverloaded(f"the server holds {len(self._streams)} unfinished requests, its bound is "
                                    f"{self.max_pending_requests} (--max-pending-requests): retry later")
         added = []
         try:
             for rid, prompt in zip(stream.request_ids, prompts):
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival_time)
+                self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival_time)
                 added.append(rid)
         except Exception:
             for rid in added:                                     # all or none
@@ -189,37 +192,17 @@ class EngineLoop:
             if stream is None:
                 continue
             if self.metrics:
-                total, seen = sum(len(o.token_ids) for o in out.outputs), self._num_tokens.get(rid)
-                if seen is None:
-                    self.metrics.observe_first_token(out.metrics)
-                if total > (seen or 0):               # a stop string cuts generated tokens off the output
-                    self.metrics.generation_tokens.inc(total - (seen or 0))
-                    self._num_tokens[rid] = total
-                else:
-                    self._num_tokens.setdefault(rid, 0)
+                self._num_tokens[rid] = self.metrics.observe_output(out, self._num_tokens.get(rid))
             stream.put(out)
             if out.finished:
                 del self._streams[rid]
                 self._num_tokens.pop(rid, None)
-                if self.metrics:
-                    self.metrics.observe_finished(out.metrics, out.outputs[0].finish_reason)
 
     def _on_idle(self) -> None:
-        """No unfinished request: every block must be back in the pool (cached-free counts as free)."""
-        if hasattr(self.engine, "pool_stats"):        # disaggregated: each instance checks its own pool
-            for name, st in self.engine.pool_stats().items():
-                if st["num_free_blocks"] != st["num_blocks"]:
-                    self.error = (f"the {name} instance holds {st['num_blocks'] - st['num_free_blocks']} blocks "
-                                  f"with no request left")
-                    log.error(self.error)
-            return
-        a = self.engine.allocator
-        if self.metrics:
-            self.metrics.observe_idle(a.num_free_blocks, a.num_blocks)
-        try:
-            a.check_invariants()
-            if a.num_free_blocks != a.num_blocks:
-                raise AssertionError(f"{a.num_blocks - a.num_free_blocks} blocks still in use with no request left")
-        except AssertionError as e:
-            self.error = f"block allocator check failed while idle: {e}"
+        """No unfinished request: every block must be back in the pool (engine/core.py's idle_check)."""
+        st = idle_check(self.engine)
+        if self.metrics and st["num_blocks"] is not None:
+            self.metrics.observe_idle(st["num_free_blocks"], st["num_blocks"])
+        if st["error"]:
+            self.error = st["error"]
             log.error(self.error)

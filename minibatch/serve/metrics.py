@@ -70,7 +70,7 @@ class ServerMetrics:
             self.success.labels(model_name, reason)         # present at 0 from the start
         self._hits = self._queries = 0
 
-    # -- called on the engine thread ---------------------------------------------------
+    # -- called on the engine thread (thread mode) or the engine core's reader thread (process mode) ----
     def observe_step(self, trace) -> None:
         """A StepTrace hook: the per-step gauges and counters."""
         self.running.set(len({request_id_of(s) for s in trace.running}))
@@ -92,6 +92,18 @@ class ServerMetrics:
         self.prompt_tokens.inc(metrics.num_prompt_tokens)
         if metrics.ttft is not None:
             self.ttft.observe(metrics.ttft)
+
+    def observe_output(self, out, seen) -> int:
+        """A RequestOutput reached the front end; ``seen``: its output tokens counted so far (None: its first
+        output). Returns the new count (a stop string can cut tokens off, so it never goes down)."""
+        total = sum(len(o.token_ids) for o in out.outputs)
+        if seen is None:
+            self.observe_first_token(out.metrics)
+        if total > (seen or 0):
+            self.generation_tokens.inc(total - (seen or 0))
+        if out.finished:
+            self.observe_finished(out.metrics, out.outputs[0].finish_reason)
+        return max(total, seen or 0)
 
     def observe_finished(self, metrics, finish_reason: str) -> None:
         self.success.labels(self.model_name, finish_reason or "abort").inc()

@@ -6,20 +6,35 @@ The command line takes vLLM's engine flags under vLLM's names
 ``--speculative-config``, ``--served-model-name``), so a lecture can put the two
 commands side by side.
 
+The engine core runs in a process of its own (``--engine-core process``, the
+default, as vLLM V1's ``VLLM_ENABLE_V1_MULTIPROCESSING=1``): the model loads
+there, and a bad engine flag fails the command at start-up with the engine's own
+message. ``--engine-core thread`` runs it in a thread of the server's process,
+as before (one GIL for the event loop and the engine). If the core process dies,
+every request, open or new, gets a 503 naming the engine core; the command then
+exits with status 1 after ``ENGINE_DEATH_GRACE_S`` (vLLM's API server exits too),
+for a supervisor to restart it, unless ``--keep-alive-on-engine-death`` keeps it
+answering 503 (vLLM's ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``).
+
 ``ServerThread`` runs the same server inside a Python process that goes on
 doing other things: a test, or a notebook that serves the class while it
-draws. It binds its socket before it returns, so port 0 (any free port) is
-race-free and ``.url`` is ready at once.
+draws. Given an ``LLM`` it runs the engine in a thread; given a picklable
+function that makes one (``functools.partial(LLM, "target")``) it starts an
+engine-core process. It binds its socket before it returns, so port 0 (any
+free port) is race-free and ``.url`` is ready at once.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
+import sys
 import threading
 import time
 from typing import Optional
 
+ENGINE_DEATH_GRACE_S = 2.0      # after the engine core dies, seconds of 503s before `serve` exits (status 1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model's heads over this many processes (minibatch/distributed/)")
     p.add_argument("--disaggregated", action="store_true",
                    help="a prefill instance and a decode instance behind this endpoint (minibatch/distributed/)")
+    p.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="where the scheduler and model run: a process of their own (vLLM V1's split, the default) "
+                        "or a thread of the server's process")
+    p.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="after the engine core dies, keep answering 503 instead of exiting")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
     from minibatch.engine import threads
@@ -61,20 +81,42 @@ def make_llm(args):
                enforce_eager=getattr(args, "enforce_eager", False))
 
 
+def make_llm_in_core(args):
+    """``make_llm`` as the engine-core process runs it: --threads applies there, where the model runs."""
+    from minibatch.engine import threads
+    threads.use_cli(getattr(args, "threads", None))
+    return make_llm(args)
+
+
 def serve(args) -> int:
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     from minibatch.serve.app import build_app
-    llm = make_llm(args)
+    process = getattr(args, "engine_core", "process") == "process"
     name = args.served_model_name or args.model
-    app = build_app(llm, served_model_name=name, max_pending_requests=args.max_pending_requests)
+    app = build_app(functools.partial(make_llm_in_core, args) if process else make_llm(args), served_model_name=name,
+                    max_pending_requests=args.max_pending_requests, engine_core=args.engine_core if process else "thread")
+    server = uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    died = []
+    if process:
+        core = app.state.engine_loop
+        print(f"minibatch: engine core in process {core.process.pid}", flush=True)
+
+        def on_dead(why):
+            died.append(why)
+            if args.keep_alive_on_engine_death:
+                print(f"minibatch: {why}; answering 503 (--keep-alive-on-engine-death)", file=sys.stderr, flush=True)
+                return
+            print(f"minibatch: {why}; exiting in {ENGINE_DEATH_GRACE_S:g} s", file=sys.stderr, flush=True)
+            threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+        core.on_dead.append(on_dead)
     print(f"minibatch: serving `{name}` on http://{args.host}:{args.port}  (live view at /, API under /v1, "
           f"metrics at /metrics)", flush=True)
     try:
-        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+        server.run()
     except KeyboardInterrupt:                 # uvicorn re-raises Ctrl-C once it has shut down cleanly
         pass
-    return 0
+    return 1 if died else 0
 
 
 def uvicorn_server(app, **config):
