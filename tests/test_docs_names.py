@@ -369,3 +369,65 @@ def test_the_checker_finds_stale_text(tmp_path, monkeypatch):
                      "invalid choice: 'sometimes'",
                      "`python -m minibatch sing --help` exited 2"]:
         assert any(expected in f for f in cmds), f"not reported: {expected}\n" + "\n".join(cmds)
+
+
+# --- exercises/README.md: points, hours and the syllabus against the grader and the files ---------------------------
+def exercises_readme_problems(text: str) -> list:
+    """The points table, the totals, "Points per part" and the syllabus of exercises/README.md, against
+    ``exercises.grade.POINTS`` (the owner of points), the notebooks and the problem sets."""
+    from exercises.grade import POINTS
+    bad = []
+    section = text.split("**Time and points.**", 1)[-1].split("\n\n", 2)
+    rows = re.findall(r"\| (ex\d+) [^|]*\| ([\d.]+)(?:-([\d.]+))? \| (\d+) \|", "\n\n".join(section[:2]))
+    table = {part: (float(lo), float(hi or lo), int(pts)) for part, lo, hi, pts in rows}
+    for part, points in POINTS.items():
+        if part not in table:
+            pending = f"<!-- {part} row: merged by maintainer" in text
+            bad.append(f"exercises/README.md: {part} ({points} points in grade.py) has no row in the points table"
+                       + (" (its row is still the placeholder: merge it)" if pending else ""))
+        elif table[part][2] != points:
+            bad.append(f"exercises/README.md: {part} is worth {table[part][2]} in the table, {points} in grade.py")
+    bad += [f"exercises/README.md: {part} is in the points table but not in grade.py's POINTS"
+            for part in table if part not in POINTS]
+    lo, hi = sum(v[0] for v in table.values()), sum(v[1] for v in table.values())
+    fmt = lambda x: f"{x:g}"
+    m = re.search(r"In all (\d+) points for about ([\d.]+)-([\d.]+) hours", text)
+    if not m or int(m.group(1)) != sum(POINTS.values()) or (m.group(2), m.group(3)) != (fmt(lo), fmt(hi)):
+        bad.append(f"exercises/README.md: 'In all ... points for about ... hours' should say {sum(POINTS.values())} "
+                   f"points for about {fmt(lo)}-{fmt(hi)} hours, it says {m.group(0) if m else 'nothing'}")
+    m = re.search(r"Points per part \(`POINTS`[^)]*\)[^:]*:\s*((?:ex\d+ \d+,\s*)+)(\d+) in all", text)
+    said = dict(re.findall(r"(ex\d+) (\d+)", m.group(1))) if m else {}
+    if not m or {k: int(v) for k, v in said.items()} != POINTS or int(m.group(2)) != sum(POINTS.values()):
+        bad.append(f"exercises/README.md: 'Points per part' should list {POINTS}, {sum(POINTS.values())} in all")
+    weeks = re.findall(r"^\s*\| (\d+) \| ([^|]*)\| ([^|]*)\| ([^|]*)\|", text, re.M)
+    notebooks = {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    sets = {p.name[:2] for p in (ROOT / "exercises" / "problem_sets").glob("[0-9][0-9]_*.md")}
+    taught = {n for _, nb, _, _ in weeks for n in re.findall(r"(?<![\d.])(\d\d)(?![\d.])", nb)}
+    setted = {n for _, _, ps, _ in weeks for n in re.findall(r"(?<![\d.])(\d\d)(?![\d.])", ps)}
+    handed = {p for _, _, _, out in weeks for p in re.findall(r"\b(ex\d+)\b", out)}
+    if len(weeks) != 10 or [int(w) for w, *_ in weeks] != list(range(1, 11)):
+        bad.append(f"exercises/README.md: the syllabus should have weeks 1-10, it has {[w for w, *_ in weeks]}")
+    bad += [f"exercises/README.md: notebook {n} has no week in the syllabus" for n in sorted(notebooks - taught)]
+    bad += [f"exercises/README.md: problem set {n} has no week in the syllabus" for n in sorted(sets - setted)]
+    bad += [f"exercises/README.md: {p} is not handed out in any week of the syllabus" for p in POINTS if p not in handed]
+    if not any("project" in out for *_, out in weeks):
+        bad.append("exercises/README.md: the project has no week in the syllabus")
+    return bad
+
+
+def test_exercises_readme_points_hours_and_syllabus_agree_with_the_grader():
+    bad = exercises_readme_problems((ROOT / "exercises" / "README.md").read_text(encoding="utf-8"))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_readme_checker_finds_a_wrong_total_and_a_missing_week():
+    text = (ROOT / "exercises" / "README.md").read_text(encoding="utf-8")
+    from exercises.grade import POINTS
+    total = str(sum(POINTS.values()))
+    broken = (text.replace(f"In all {total} points", "In all 999 points")
+              .replace("| ex1 slot mapping | 0.5 | 3 |", "| ex1 slot mapping | 0.5 | 4 |")
+              .replace("| 10 | 11 structured outputs | 11 |", "| 10 | structured outputs | |"))
+    bad = exercises_readme_problems(broken)
+    for expected in ["should say " + total + " points", "ex1 is worth 4 in the table, 3 in grade.py",
+                     "notebook 11 has no week", "problem set 11 has no week"]:
+        assert any(expected in b for b in bad), f"not reported: {expected}\n" + "\n".join(bad)
