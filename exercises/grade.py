@@ -16,6 +16,10 @@ that part alone, so whatever the student's file does costs that part only:
   reference; a part that ran fewer (``pytest.exit()``, deselection, a skipped
   file, a session that ended early) scores 0, with a message saying so.
 
+An integration part (``INTEGRATIONS``: ex11, "your engine") has no file of its own: its session selects every part
+it needs (exercises 1, 6 and 7), whose code runs the engine together; a release that does not hold all of them out
+does not offer it (left out of the total, saying why).
+
 A part that did not run all of its tests to the end scores 0, and the report
 says why and which test was running. Points: ``POINTS`` per part, shared
 among its tests in exact dyadic fractions (``split_points``): a part's tests add up to exactly its points,
@@ -49,7 +53,8 @@ from exercises import _harness
 # Each part's worth, shared equally among its graded tests. A part missing here is worth DEFAULT_POINTS.
 # Points follow the hours a part takes (exercises/README.md's table: about 5 points an hour, every part within
 # a factor of 2 of that).
-POINTS = {"ex1": 3, "ex2": 8, "ex3": 5, "ex4": 10, "ex5": 3, "ex6": 30, "ex7": 20, "ex8": 10, "ex10": 8, "ex9": 15}
+POINTS = {"ex1": 3, "ex2": 8, "ex3": 5, "ex4": 10, "ex5": 3, "ex6": 30, "ex7": 20, "ex8": 10, "ex10": 8, "ex9": 15,
+          "ex11": 5}
 DEFAULT_POINTS = 10
 PART_TIMEOUT = 300.0     # seconds for one part's whole session
 TEST_TIMEOUT = 60.0      # seconds for one test
@@ -61,8 +66,54 @@ PLUGIN = "exercises._grade_plugin"
 REQUIRES = {"ex9": ("triton", "needs Linux + Triton"), "ex10": ("triton", "needs Linux + Triton")}
 
 
+@dataclass(frozen=True)
+class Integration:
+    """A graded part with no file of its own: its tests run the engine on several parts the student wrote, together
+    (``needs``, piece names). Its session selects them all (``name``: its MINIBATCH_STUDENT), so a mistake in any
+    of them can cost it too; its points are only for what the separate parts' tests cannot see (how they meet).
+
+    In a student release it is offered only when the release holds out every part it needs (the week they are all
+    handed out): in a staged release that lacks one, the engine would run the instructor's reference there, and
+    the part would grade something else than "your engine". It is then left out of the total, saying why."""
+    name_: str           # its own name (``--parts your_engine``)
+    part: str            # its pytest marker
+    title: str
+    needs: tuple         # the pieces it grades together
+
+    @property
+    def name(self) -> str:
+        """MINIBATCH_STUDENT for its session: every part it needs."""
+        return ",".join(self.needs)
+
+    @property
+    def needs_parts(self) -> str:
+        return ", ".join(exercises.piece(n).part for n in self.needs)
+
+
+# Exercise 11 has no student file: exercises 1, 6 and 7 run the engine together (tests/exercises/test_ex11_*.py).
+INTEGRATIONS = {i.part: i for i in (
+    Integration("your_engine", "ex11", "your engine (ex1+ex6+ex7)", ("slot_mapping", "block_allocator", "scheduler")),
+)}
+
+
+def not_offered(part: str) -> str:
+    """Why a student release does not offer ``part`` ("" when it does): an integration part whose pieces are not
+    all held out of it."""
+    i = INTEGRATIONS.get(part)
+    if i is None or not exercises.REMOVED:
+        return ""
+    missing = [exercises.piece(n) for n in i.needs if n not in exercises.REMOVED]
+    if not missing:
+        return ""
+    return (f"not in this release: it grades {i.needs_parts} together in the engine, and this release does not hand "
+            f"out {', '.join(f'{p.part} ({p.title})' for p in missing)} yet")
+
+
 def unavailable(part: str) -> str:
-    """Why this machine cannot grade ``part`` ("" when it can): a package it needs does not import here."""
+    """Why this machine (or this release) cannot grade ``part`` ("" when it can): a package it needs does not
+    import here, or it is an integration part whose pieces this release does not all hold out."""
+    if part in INTEGRATIONS:
+        return not_offered(part)
     need = REQUIRES.get(part)
     if need is None:
         return ""
@@ -86,7 +137,7 @@ class Outcome:
 
 @dataclass
 class PartRun:
-    piece: exercises.Piece
+    piece: "exercises.Piece | Integration"
     expected: list                                   # node ids the part must run (trusted collection)
     outcomes: dict = field(default_factory=dict)     # node id -> Outcome
     problem: str = ""                                # why the part scores 0, "" when it ran to the end
@@ -132,9 +183,19 @@ def split_points(points: float, n: int) -> list:
 
 
 def parse_parts(text: str | None) -> list:
-    """'ex1,ex3' or 'slot_mapping,top_k_top_p' or 'all' or None -> Pieces, in exercise order."""
-    names = exercises.selected("all" if not text else text)
-    return exercises.in_order(names)
+    """'ex1,ex3' or 'slot_mapping,top_k_top_p' or 'all' or None -> Pieces, in exercise order, then the integration
+    parts named (``ex11`` or ``your_engine``; 'all' names them all)."""
+    words = [w.strip() for w in (text or "all").split(",") if w.strip()]
+    everything = any(w.lower() == "all" for w in words)
+    by_name = {k: i for i in INTEGRATIONS.values() for k in (i.part, i.name_)}
+    chosen = {by_name[w.lower()].part for w in words if w.lower() in by_name}
+    rest = [w for w in words if w.lower() not in by_name]
+    try:
+        names = exercises.selected(",".join(rest)) if rest else set()
+    except ValueError as e:
+        raise ValueError(f"{e}; or {', '.join(f'{i.name_} ({i.part})' for i in INTEGRATIONS.values())}") from None
+    integrations = [i for i in INTEGRATIONS.values() if everything or i.part in chosen]
+    return exercises.in_order(names) + integrations
 
 
 def read_events(path: Path) -> list:
@@ -406,7 +467,8 @@ def grade(pieces: list, student_dir=None, part_timeout: float = PART_TIMEOUT, te
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m exercises.grade", description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", help="comma-separated parts (ex1,ex3) or piece names; default: all")
+    ap.add_argument("--parts", help="comma-separated parts (ex1,ex3), piece names, or ex11 / your_engine (exercises 1, 6 "
+                                          "and 7 together in the engine); default: all")
     ap.add_argument("--json", metavar="PATH", help="write the Gradescope report here (whatever happens)")
     ap.add_argument("--student-dir", help="the directory holding the student's ex*.py "
                                           "(default: MINIBATCH_STUDENT_DIR, else the exercises package)")
