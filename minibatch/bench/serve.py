@@ -13,6 +13,14 @@ text chunk at the client. As vLLM's ``benchmark_serving``, it reports request
 and output-token throughput, TTFT, time per output token (TPOT) and end-to-end
 latency percentiles, and the errors by kind; and it plots them to a PNG.
 Prompts are windows of held-out standard-library source, seeded.
+
+Beside the client's means it prints the server's own, from its /metrics
+histograms scraped before and after the run (vLLM's
+``vllm:time_to_first_token_seconds`` and ``vllm:time_per_output_token_seconds``):
+the server stamps a request's arrival when its handler starts and its first
+token when it is sampled, so the client's TTFT can only be longer, by the HTTP
+path and whatever the server makes it wait for (issue 35: with the engine in a
+thread of the server's process, the event loop's wait for the GIL).
 """
 from __future__ import annotations
 
@@ -137,6 +145,7 @@ def summarize(run: dict) -> dict:
             "output_token_throughput": tokens / wall if wall else 0.0,
             "ttft_s": _pct(ttft), "tpot_s": _pct(tpot), "e2e_latency_s": _pct(e2e),
             "mean_ttft_s": float(np.mean(ttft)) if ttft else float("nan"),
+            "mean_tpot_s": float(np.mean(tpot)) if tpot else float("nan"),
             "mean_e2e_latency_s": float(np.mean(e2e)) if e2e else float("nan")}
 
 
@@ -151,6 +160,47 @@ def format_summary(s: dict) -> str:
              f"TPOT         {ms(s['tpot_s'])}",
              f"latency      {ms(s['e2e_latency_s'])}"]
     return "\n".join(lines)
+
+
+def server_histograms(base_url: str) -> Optional[dict]:
+    """{"ttft": (sum, count), "tpot": (sum, count)} of the server's histograms (None: it has no /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        r = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=10)
+    except httpx.TransportError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {"ttft": [0.0, 0.0], "tpot": [0.0, 0.0]}
+    names = {"vllm:time_to_first_token_seconds": "ttft", "vllm:time_per_output_token_seconds": "tpot"}
+    for fam in text_string_to_metric_families(r.text):
+        for smp in fam.samples:
+            base, _, part = smp.name.rpartition("_")
+            if base in names and part in ("sum", "count"):
+                out[names[base]][part == "count"] += smp.value
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def server_means(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """The server's mean TTFT and TPOT (seconds) over the requests between two scrapes."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for k in ("ttft", "tpot"):
+        n = after[k][1] - before[k][1]
+        means[f"mean_{k}_s"] = (after[k][0] - before[k][0]) / n if n else float("nan")
+    return means
+
+
+def format_comparison(s: dict, server: Optional[dict]) -> str:
+    line = f"client       TTFT mean {s['mean_ttft_s'] * 1e3:8.1f} ms  TPOT mean {s['mean_tpot_s'] * 1e3:8.2f} ms"
+    if server is None:
+        return line + "   (the server has no /metrics)"
+    return (line + f"\nserver       TTFT mean {server['mean_ttft_s'] * 1e3:8.1f} ms  TPOT mean "
+                   f"{server['mean_tpot_s'] * 1e3:8.2f} ms   (its /metrics histograms, over the same requests)\n"
+                   f"client/server TTFT {s['mean_ttft_s'] / server['mean_ttft_s']:.2f}x  TPOT "
+                   f"{s['mean_tpot_s'] / server['mean_tpot_s']:.2f}x")
 
 
 def plot(run: dict, summary: dict, path) -> pathlib.Path:
@@ -235,11 +285,14 @@ def main(argv=None) -> int:
 
 
 def run_and_report(args) -> dict:
+    before = server_histograms(args.base_url)
     run = asyncio.run(run_load(args.base_url, args.rate, args.duration, args.concurrency, args.num_requests,
                                (args.min_tokens, args.max_tokens), args.temperature, args.seed, args.timeout))
     s = summarize(run)
+    s["server"] = server_means(before, server_histograms(args.base_url))
     print(f"Poisson arrivals at {args.rate}/s for {args.duration} s (at most {args.num_requests}), concurrency "
           f"{args.concurrency}, against {args.base_url} (model {run['model']})")
     print(format_summary(s))
+    print(format_comparison(s, s["server"]))
     print(f"plot: {plot(run, s, args.out)}")
     return s

@@ -6,8 +6,13 @@ API as ``vllm serve`` so a class can point the official ``openai`` client at
 it from several terminals and watch, on the page at ``/``, their requests join
 and leave the batch and take and return KV blocks.
 
+The scheduler and the model run in an engine-core process of their own
+(``minibatch/engine/core.py``), as in vLLM V1; README.md here tells the split.
+
     app.py          the FastAPI routes, errors as OpenAI error bodies
-    engine_loop.py  the one thread that calls the engine; per-request output queues
+    async_llm.py    the front end of the split (vLLM V1's AsyncLLM): streams, detokenising, stats
+    core_client.py  the engine-core process's handle: spawn, pipes, a reader thread, death -> 503
+    engine_loop.py  --engine-core thread: one thread of this process calls the engine; per-request queues
     protocol.py     request validation (pydantic), response bodies, streamed text deltas
     metrics.py      Prometheus metrics under vLLM's names
     live.py         StepTraces to the live page, as server-sent events

@@ -2,19 +2,21 @@
 
 It spawns ``EngineCoreProc`` (``minibatch/engine/core.py``) with two one-way pipes, waits until the engine is
 built there (or raises the error that stopped it: a bad config fails ``serve`` at start-up, as in the thread
-mode), then a reader thread takes everything the core sends:
+mode). From ``start(loop)`` on, the server's event loop watches the output pipe and takes everything the core
+sends:
 
     ("reply", id, ok, value)   resolves the Future that ``request`` returned
     ("outputs", ...)           on_outputs(EngineCoreOutputs)       (AsyncLLM: to the streams, metrics, live view)
     ("idle", {...})            on_idle(the block pool's check)
     ("dead", why)  or EOF      on_dead(why): the core is gone
 
-The reader waits on the pipe, so a core that dies however it dies (an exception, SIGKILL, the OOM killer)
-closes the pipe, and the reader names it at once: "the engine core process (pid N) died (killed by SIGKILL)".
+A core that dies however it dies (an exception, SIGKILL, the OOM killer) closes the pipe, and the reader
+names it at once: "the engine core process (pid N) died (killed by SIGKILL)".
 Every Future still waiting then fails with EngineDead, and so does every later request: nothing hangs.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import itertools
@@ -66,6 +68,9 @@ class EngineCoreClient:
         self._lock = threading.Lock()                    # one writer at a time; _pending
         self._closing = False
         self.dead = None                                 # why the core is gone, once it is
+        self.loop = None                                 # the event loop that reads the core's messages
+        self._why = None                                 # the core's last word ("dead"), if it said one
+        self._reading = False
         atexit.register(self.shutdown)
         try:
             msg = self._output.recv()
@@ -80,8 +85,22 @@ class EngineCoreClient:
             self.shutdown()
             raise exc
         self.info = msg[1]                               # {"max_model_len": ...}
-        self._reader = threading.Thread(target=self._read_loop, name="minibatch-engine-core-output", daemon=True)
-        self._reader.start()
+
+    def start(self, loop=None) -> None:
+        """Read the core's messages from now on: in ``loop`` (the server's event loop watches the pipe, as vLLM's
+        output_handler task awaits its socket: one thread does all the front end's work, so no GIL passes between
+        two of them), else, or where the loop cannot watch a pipe, in a thread of their own."""
+        if self._reading:
+            return
+        self._reading = True
+        if loop is not None:
+            try:
+                loop.add_reader(self._output.fileno(), self._on_readable)
+                self.loop = loop
+                return
+            except NotImplementedError:                  # Windows' proactor loop
+                pass
+        threading.Thread(target=self._read_loop, name="minibatch-engine-core-output", daemon=True).start()
 
     # -- the front end's side ------------------------------------------------------------
     def request(self, kind: str, payload) -> concurrent.futures.Future:
@@ -122,6 +141,12 @@ class EngineCoreClient:
                 self._input.send(("shutdown",))
             except Exception:
                 pass
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                if asyncio.get_running_loop() is self.loop:      # the server's lifespan: stop watching the pipe
+                    self.loop.remove_reader(self._output.fileno())
+            except (RuntimeError, ValueError, OSError):
+                pass
         p = self.process
         p.join(timeout)
         if p.is_alive():
@@ -140,35 +165,53 @@ class EngineCoreClient:
         return self._closing
 
     # -- the reader thread ---------------------------------------------------------------
-    def _read_loop(self) -> None:
+    def _dispatch(self, msg) -> None:
+        kind = msg[0]
+        if kind == "reply":
+            _, call_id, ok, value = msg
+            with self._lock:
+                fut = self._pending.pop(call_id, None)
+            if fut is not None:
+                fut.set_result(value) if ok else fut.set_exception(value)
+        elif kind == "outputs":
+            self.on_outputs(msg[1])
+        elif kind == "idle":
+            self.on_idle(msg[1])
+        elif kind == "dead":
+            self._why = msg[1]
+
+    def _on_readable(self) -> None:                      # in the event loop: every message that has come
+        try:
+            while self._output.poll():
+                self._dispatch(self._output.recv())
+        except (EOFError, OSError):
+            self.loop.remove_reader(self._output.fileno())
+            self._gone(None)
+        except BaseException as e:                       # a bug on this side: the streams must still end
+            log.exception("the front end's reader of the engine core failed")
+            self.loop.remove_reader(self._output.fileno())
+            self._gone(f"the front end's reader of the engine core failed: {type(e).__name__}: {e}")
+
+    def _read_loop(self) -> None:                        # in a thread of its own
         why = None
         try:
             while True:
-                msg = self._output.recv()
-                kind = msg[0]
-                if kind == "reply":
-                    _, call_id, ok, value = msg
-                    with self._lock:
-                        fut = self._pending.pop(call_id, None)
-                    if fut is not None:
-                        fut.set_result(value) if ok else fut.set_exception(value)
-                elif kind == "outputs":
-                    self.on_outputs(msg[1])
-                elif kind == "idle":
-                    self.on_idle(msg[1])
-                elif kind == "dead":
-                    why = msg[1]
+                self._dispatch(self._output.recv())
         except (EOFError, OSError):
             pass
-        except BaseException as e:                        # a bug on this side: the streams must still end
+        except BaseException as e:
             log.exception("the front end's reader of the engine core failed")
             why = f"the front end's reader of the engine core failed: {type(e).__name__}: {e}"
-        self.process.join(2)
+        self._gone(why)
+
+    def _gone(self, why) -> None:
+        """The output pipe closed: the core exited (asked to, or not). Fail everything waiting; tell on_dead."""
+        self.process.join(1)                             # it closed the pipe by exiting: the exit code is near
         with self._lock:
-            if self._closing and why is None:
-                why = "the server is shutting down"
-            elif why is None:
-                why = describe_exit(self.process.pid, self.process.exitcode) + DEAD
+            why = why or self._why
+            if why is None:
+                why = "the server is shutting down" if self._closing else \
+                    describe_exit(self.process.pid, self.process.exitcode) + DEAD
             self.dead = why
             pending, self._pending = list(self._pending.values()), {}
         for fut in pending:

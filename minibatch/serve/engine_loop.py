@@ -1,4 +1,7 @@
-"""One background thread owns the engine; HTTP handlers talk to it through a queue.
+"""``--engine-core thread``: one background thread owns the engine; HTTP handlers talk to it through a queue.
+
+(The default puts the engine in a process of its own: ``async_llm.py``, with the same surface. This mode
+serves an ``LLM`` built in this process: notebooks, tests, an engine patched with a student's code.)
 
 Why a thread: ``LLMEngine`` is not thread-safe and ``step()`` is blocking
 compute (a forward pass), so it can run neither inside the event loop (which
