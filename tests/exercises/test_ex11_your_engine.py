@@ -158,18 +158,27 @@ def test_every_block_comes_back_and_the_allocator_stays_whole(target_model, name
 
 def test_a_preempted_request_resumes_from_its_own_cached_blocks(target_model):
     """A sequence preempted by your scheduler keeps its computed blocks cached in your allocator: readmitted, it
-    resumes from them (a prefix hit on its own prompt and output), and its text is still right (the first test)."""
+    resumes from them, past every prefix it shares with another request (its own prompt and output, which nobody
+    else holds), and its text is still right (the first test)."""
     r = run("shared-header", target_model)
-    resumed = []
-    for t in r["traces"]:
-        for s in t.scheduled:
-            if s.phase == "resumed" and s.seq_id in t.admitted:
-                resumed.append((t.step, s.seq_id, s.num_computed_before, s.num_prompt_tokens))
+    full = {rid: list(ids) + r["texts"].get(rid, []) for rid, (ids, _) in r["prompts"].items()}
+
+    def shared(rid):                             # the longest prefix, in whole blocks, another request also has
+        def lcp(a, b):
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            return n
+        return max(lcp(full[rid], full[o]) for o in full if o != rid) // 8 * 8
+
+    resumed = [(t.step, s.request_id, s.num_computed_before, shared(s.request_id)) for t in r["traces"]
+               for s in t.scheduled if s.phase == "resumed" and s.seq_id in t.admitted]
     assert resumed, "no preempted sequence was readmitted"
-    assert any(before >= 8 for _, _, before, _ in resumed), \
-        f"readmitted sequences (step, id, tokens computed before, prompt) {resumed} resumed from none of their own " \
-        f"blocks: those computed before the preemption were still in the prefix cache (the allocator finds them " \
-        f"when the sequence is started again) and must not be computed again"
+    assert any(before > other for _, _, before, other in resumed), \
+        f"readmitted (step, request, tokens it resumed from, tokens it shares with another request): {resumed}: " \
+        f"none resumed from its own blocks. Those it computed before the preemption stay in the prefix cache when " \
+        f"freed (until a fresh block is needed), and the allocator finds them when the sequence starts again; " \
+        f"they must not be computed again"
 
 
 def test_a_prefix_is_found_only_after_the_step_that_computes_it(target_model):
