@@ -76,7 +76,9 @@ def main(argv=None) -> int:
                    help="the shipped model: target (GPT-2), llama (RoPE, GQA), draft (--preset: the older name)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
-    g.add_argument("--backend", default="batched", help="attention backend: batched (fast), loop (the teaching version) or triton")
+    g.add_argument("--attention-backend", "--backend", dest="backend", default=None,
+                   help="cpu, batched, loop (the teaching version) or triton (vLLM's flag; --backend, the older "
+                        "name; default: cpu on a CPU where it builds, batched on a GPU)")
     from minibatch.spec_decode.config import METHODS
     g.add_argument("--speculative", choices=METHODS, default=None,
                    help="speculative decoding with this method and -k drafts a step")

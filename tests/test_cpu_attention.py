@@ -202,8 +202,11 @@ def test_the_fake_implementation_lets_torch_compile_trace_it(op):
 
 # -- through PagedAttention: store this step's K/V, then attend ---------------------------------------------------
 @pytest.mark.parametrize("debug", [False, True], ids=["engine path", "debug checks"])
-@pytest.mark.parametrize("case", ["decode B=17", "chunked prefill", "trees"])
+@pytest.mark.parametrize("case", ["decode B=17", "chunked prefill", "trees", "mixed", "prefill"])
 def test_paged_attention_stores_then_attends(op, case, debug):
+    """The engine's "cpu" path splits a step (``backends._cpu_attend``): rows of up to LONG_QUERY queries through
+    the operator, longer ones through SDPA, into one output. "mixed" has both kinds in one step (and a tree);
+    "prefill" only long rows; "decode B=17" none."""
     x = make_step(case, 4, 2, 16, seed=11)
     spec, bs = x["spec"], 16
     cache = KVCache(1, x["kc"].shape[0], bs, 2, 64, debug_nan=True)
@@ -218,6 +221,11 @@ def test_paged_attention_stores_then_attends(op, case, debug):
     torch.testing.assert_close(out.double(), oracle(x, 64 ** -0.5), atol=1e-5, rtol=1e-5)
     other = PagedAttention(cache, md, "batched")(0, x["q"], new_k, new_v)
     torch.testing.assert_close(out, other, atol=1e-5, rtol=1e-5)
+    if not debug:
+        long_rows = [b for b, (n, _, _) in enumerate(spec) if n > backends.LONG_QUERY]
+        seq_lens, group, _, _ = md.plan["cpu"]
+        assert (group is not None) == bool(long_rows)
+        assert [b for b in range(len(spec)) if seq_lens[b] == 0] == long_rows     # the operator skips them
 
 
 # -- the engine: greedy, token for token ------------------------------------------------------------------------------
@@ -235,8 +243,8 @@ def _greedy(backend, **cfg):
 def calls(monkeypatch):
     """The operator's calls from the engine, as (query rows, max query length, a tree?): proof it ran."""
     seen, attend = [], cpu_attention.attend
-    monkeypatch.setattr(cpu_attention, "attend", lambda q, kc, vc, md, s: seen.append(
-        (q.shape[0], md.max_query_len, md.tree_bits is not None)) or attend(q, kc, vc, md, s))
+    monkeypatch.setattr(cpu_attention, "attend", lambda q, kc, vc, md, s, **kw: seen.append(
+        (q.shape[0], md.max_query_len, md.tree_bits is not None)) or attend(q, kc, vc, md, s, **kw))
     return seen
 
 

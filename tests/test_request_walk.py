@@ -22,9 +22,10 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "minibatch"
 # SamplingParams a request carries, so it is entered earlier too.
 WALK = ["llm.py", "engine/engine.py", "engine/scheduler.py", "kv/block_allocator.py", "engine/model_runner.py",
         "kv/attention.py", "sampling/sampler.py", "engine/outputs.py"]
-# What the walk carries: data and the layers under a station, entered but not stations of their own.
+# What the walk carries: data and the layers under a station, entered but not stations of their own
+# (cpu_attention.py: the default backend's operator on a CPU, under backends.py).
 CARRIED = {"model/tokenizer.py", "engine/sequence.py", "engine/request_queue.py", "kv/block_pool.py",
-           "model/model.py", "kv/metadata.py", "kv/kv_cache.py", "kv/backends.py"}
+           "model/model.py", "kv/metadata.py", "kv/kv_cache.py", "kv/backends.py", "kv/cpu_attention.py"}
 
 
 @pytest.fixture(scope="module")

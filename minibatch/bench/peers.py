@@ -73,9 +73,12 @@ def logits_max_diff(model: GPT, hf, num_seqs: int = 4, seq_len: int = 64, seed: 
 
 # -- the two sides of a row: each run() builds its engine untimed, then returns (token lists, seconds) --
 
+MB_ENGINE = {}     # engine options every minibatch side of a run shares (--threads, --attention-backend)
+
+
 def mb_side(model, prompts, params, **engine_kwargs):
     def run():
-        llm = LLM(model, **engine_kwargs)
+        llm = LLM(model, **{**MB_ENGINE, **engine_kwargs})
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t
@@ -239,7 +242,12 @@ def parse_args(prog: str, description: str, argv, ks=(4, 8)) -> argparse.Namespa
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(ks),
                     help="proposal lengths for the draft and n-gram rows")
     ap.add_argument("--repeats", type=int, default=3, help="alternating timed runs per row, best kept")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads a side (minibatch's engines, the peer's)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="minibatch's attention backend (default: the engine's choice, cpu on a CPU)")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     for name in ("num_requests", "max_num_seqs", "num_prompts", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -259,7 +267,8 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)   # e.g. "no psutil" on CPU
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)                            # one thread each side: both run in this process
+    torch.set_num_threads(args.threads)                 # as many threads each side: both run in this process
+    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend)
     try:
         with torch.no_grad():
             return _run(args, transformers.__version__)
@@ -270,7 +279,7 @@ def main(argv=None) -> int:
 def _run(args, hf_version: str) -> int:
     target, draft = load_model("target", device="cpu"), load_model("draft", device="cpu")
     hf_target, hf_draft = to_hf(target), to_hf(draft)
-    print(f"transformers {hf_version}, torch {torch.__version__}, CPU, {torch.get_num_threads()} thread; "
+    print(f"transformers {hf_version}, torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s) a side; "
           f"target {target.num_params():,} parameters, draft {draft.num_params():,}")
     wl = make_workload("longtail", num_requests=args.num_requests, seed=args.seed)
     short = [w.prompt for w in make_workload("longtail", num_requests=args.num_prompts, seed=args.seed)]

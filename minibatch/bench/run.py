@@ -189,7 +189,8 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--backend", default="batched", help="attention backend: batched, loop, triton or cpu")
+    ap.add_argument("--attention-backend", "--backend", dest="backend", default=None,
+                    help="attention backend: cpu, batched, loop or triton (default: the engine's, cpu on a CPU)")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 8])
     ap.add_argument("--typical", action="store_true",
                     help="speculative: also Medusa with typical acceptance at temperature 1 (lossy)")

@@ -1,7 +1,8 @@
 """vLLM itself as the peer: the shipped weights in vLLM's CPU build, token for token, and timed.
 
     python -m minibatch.bench.vllm_peer setup        make (or reuse) vLLM's venv (minibatch/bench/vllm_venv.py)
-    python -m minibatch.bench vllm [--num-requests 32 --max-num-seqs 16 --max-tokens 128 --ks 4 --repeats 3]
+    python -m minibatch.bench vllm [--num-requests 32 --max-num-seqs 16 --max-tokens 128 --ks 4 --repeats 3
+                                    --threads 1 --attention-backend cpu]
 
 The target (and the draft) are exported with ``minibatch.export`` to a temporary GPT2LMHeadModel directory;
 vLLM runs it in its venv's python (``vllm_worker.py``), in one process that holds one ``LLM`` per row,
@@ -12,8 +13,9 @@ minibatch and vLLM runs, best of ``--repeats``, min-max spread), each checked fo
   ngram k     prompt lookup, k drafts a step, n-grams of 1..3 on both sides;
   draft k     the draft model (vLLM's ``"method": "draft_model"``) where vLLM's CPU build runs it.
 vLLM's CPU attention takes KV blocks in multiples of 32 tokens, so it keeps its own block size.
-One thread a side: minibatch sets 1 (``engine/threads.py``); vLLM's CPU worker binds its OpenMP threads
-(``VLLM_CPU_OMP_THREADS_BIND=auto``: one core for the worker's single thread, one kept for the front end).
+One thread a side by default (``--threads N`` for N): minibatch's engines get num_threads=N (``engine/threads.py``);
+vLLM's CPU worker binds its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=auto``: one core for the worker's single
+thread, one kept for the front end; with N > 1, cores 0..N-1). ``--attention-backend`` picks minibatch's.
 vLLM runs three processes (front end, engine core, worker), so on a busy 2-core machine the spread is wide.
 
 What vLLM does on this CPU that minibatch does not (read in the venv's vllm 0.32.0 source):
@@ -50,7 +52,7 @@ import threading
 import torch
 
 from minibatch.bench import vllm_venv
-from minibatch.bench.peers import format_rows, mb_side, parse_args, race
+from minibatch.bench.peers import MB_ENGINE, format_rows, mb_side, parse_args, race
 from minibatch.bench.workload import describe, make_workload
 from minibatch.export import export_hf
 from minibatch.model.tokenizer import encode
@@ -68,11 +70,13 @@ class VLLMPeer:
     default, three processes.
     """
 
-    def __init__(self, model_dir, in_process: bool = False, timeout: float = 600.0):
+    def __init__(self, model_dir, in_process: bool = False, timeout: float = 600.0, threads: int = 1):
         why = vllm_venv.problem()
         if why:
             raise RuntimeError(why)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+        if threads > 1:               # "auto" keeps a core for the front end: bind the worker's threads to cores 0..
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.executor, self.timeout = ("uni" if in_process else None), timeout
@@ -185,12 +189,15 @@ def main(argv=None) -> int:
         return 2
     target = load_model("target", device="cpu")
     threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend)
     with tempfile.TemporaryDirectory(prefix="minibatch-export-") as tmp, torch.no_grad():
         model_dir = export_hf(target, pathlib.Path(tmp) / "target")
         draft_dir = export_hf(load_model("draft", device="cpu"), pathlib.Path(tmp) / "draft")
-        with VLLMPeer(model_dir) as peer:
+        with VLLMPeer(model_dir, threads=args.threads) as peer:
             print(f"vLLM {peer.version} (its venv: {vllm_venv.vllm_python()}) against minibatch, torch "
-                  f"{torch.__version__}, CPU, one thread a side; machine shared with other jobs.\ncontinuous: "
+                  f"{torch.__version__}, CPU, {args.threads} thread(s) a side, minibatch's attention backend "
+                  f"{args.attention_backend or 'the default (cpu on a CPU)'}.\ncontinuous: "
                   f"{describe(make_workload('longtail', num_requests=args.num_requests, seed=args.seed))}\n"
                   f"batch-1 rows: {args.num_prompts} prompts x {args.max_tokens} tokens, greedy; best of "
                   f"{args.repeats} alternating runs (min-max); mb/vLLM = ratio of bests (range over rounds)")

@@ -27,7 +27,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512          # the token budget of one step
     enable_prefix_caching: bool = True
-    attention_backend: str = "batched"         # "loop" (the teaching version), "batched", "triton", "cpu"
+    attention_backend: Optional[str] = None    # "loop" (the teaching version), "batched", "triton", "cpu";
+                                               # None: the engine picks ("cpu" on a CPU, "batched" on a GPU)
     scheduling: str = "continuous"             # or "static"
     policy: str = "fcfs"                       # or "priority"
     order: str = "decode-first"                # or "prefill-first"

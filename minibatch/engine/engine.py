@@ -12,6 +12,7 @@ The step-level interface is vLLM's ``LLMEngine``: ``add_request``,
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Callable, Optional
@@ -29,6 +30,7 @@ from minibatch.engine.sequence import Request, Sequence, SequenceStatus
 from minibatch.engine.static_scheduler import StaticScheduler
 from minibatch.engine import threads
 from minibatch.distributed.kv_transfer import scatter_prompt
+from minibatch.kv.attention import default_backend
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
@@ -67,6 +69,9 @@ REJECTION_SAMPLE = None
 class LLMEngine:
     def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), draft_model: Optional[GPT] = None, *,
                  top_k_top_p=None, rejection_sample=None):
+        if config.attention_backend is None:       # chosen from the device, once (a copy: a config may be shared)
+            config = dataclasses.replace(config, attention_backend=default_backend(model.device,
+                                                                                   config.cuda_graph_mode))
         c, mc = config, model.config
         threads.apply(c.num_threads, model)        # CPU: threads from the model's size, or as asked
         num_blocks = c.num_blocks_for(mc.n_ctx)

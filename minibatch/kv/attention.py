@@ -21,8 +21,8 @@ goes; ``positions`` come from here too, so the model is fed the positions the
 attention assumes. Per layer, ``PagedAttention`` then **stores** the new tokens'
 K and V at their slots (the slot mapping) and **attends** through a backend
 (``minibatch/kv/backends.py``): "loop" (the teaching version), "batched" (the
-fast default), "triton" (``kernels/``) or "cpu" (a C++ operator that reads the blocks in place,
-``cpu_attention.py``). The per-layer call checks nothing
+default on a GPU), "triton" (``kernels/``) or "cpu" (the default on a CPU: a C++ operator that reads the
+blocks in place, ``cpu_attention.py``, with SDPA for long prefill chunks). The per-layer call checks nothing
 again, unless ``MINIBATCH_DEBUG_CHECKS=1`` (or ``PagedAttention(..., debug=True)``)
 asks every backend to re-check its inputs on every call.
 """
@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.kv import backends, checks
+from minibatch.kv import backends, checks, cpu_attention
 from minibatch.kv.kv_cache import KVCache
 from minibatch.kv.metadata import AttentionMetadata
 
@@ -45,12 +45,23 @@ GRAPH_SAFE_BACKENDS = ("batched", "triton")
 RENAMED = {"torch": "loop", "dense": "batched"}       # the names before the re-founding said less
 
 
-def check_backend(name: str) -> str:
+def check_backend(name) -> str:
+    if name is None:                   # the engine chooses (default_backend), once it knows the device
+        return name
     if name in RENAMED:
         raise ValueError(f"attention backend {name!r} is now called {RENAMED[name]!r}; choose one of {list(BACKENDS)}")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {list(BACKENDS)}")
     return name
+
+
+def default_backend(device, cuda_graph_mode: str = "auto") -> str:
+    """What ``attention_backend=None`` means, as vLLM picks its backend from the platform: on a CPU the C++
+    operator "cpu" where it builds (where not, it says why once and this gives "batched"), except under
+    cuda_graph_mode="eager-replay", whose static batch needs a graph-safe backend; "batched" on a GPU."""
+    if torch.device(device).type == "cpu" and cuda_graph_mode != "eager-replay":
+        return "cpu" if cpu_attention.load() is not None else "batched"
+    return "batched"
 
 
 # read once: the engine builds a PagedAttention every step

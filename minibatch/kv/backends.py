@@ -162,73 +162,127 @@ def _plan(md, block_size: int, device) -> list:
     if md.static:
         md.plan["batched"] = [_static_decode_plan(md, block_size, device)]
         return md.plan["batched"]
-    q_lens, s_lens = md.query_lens_list, md.seq_lens_list
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
     groups = []
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    rest = [b for b, n in enumerate(q_lens) if n > 1]
-    tables = md.block_tables.to(device)
-    for rows in (*_buckets(decodes, s_lens), rest):
-        if not rows:
-            continue
-        L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
-        sl = torch.tensor([s_lens[b] for b in rows], device=device)                  # [G]
-        ql = torch.tensor([q_lens[b] for b in rows], device=device)                  # [G]
-        j = torch.arange(L, device=device)
-        valid = j[None] < sl[:, None]                                                # [G, L]
-        bt = tables[torch.tensor(rows, device=device)].long()                        # [G, W]
-        slots = bt[:, (j // block_size).clamp(max=bt.shape[1] - 1)].clamp(min=0) * block_size + j % block_size
-        # A padding position (past a row's own length) gathers the row's position 0 instead: a real, finite
-        # key that the mask then hides. (An unowned slot may hold NaN, and a masked 0 * NaN is still NaN.)
-        slots = torch.where(valid, slots, slots[:, :1])                              # [G, L]
-        i = torch.arange(Q, device=device)
-        q_pos = (sl - ql)[:, None] + i[None]                                         # [G, Q]
-        mask = (j[None, None, :] <= q_pos[:, :, None])[:, None]                      # [G, 1, Q, L]
-        if Q == 1 and min(s_lens[b] for b in rows) == L:
-            mask = None                                                              # decodes of one length
-        if rows == list(range(len(q_lens))) and all(q_lens[b] == Q for b in rows):
-            # every row of the batch, in order, Q queries each (decodes; one sequence's chunk or verify; a batch
-            # verifying k drafts each): the flat [T, H, D] is [G, Q, H, D] already, no gather or scatter
-            q_rows = q_valid = None
-        else:
-            q_valid = i[None] < ql[:, None]                                          # [G, Q]
-            q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
-        if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
-            bits = md.tree_bits.to(device)                                             # [T]
-            bits = bits.view(len(rows), Q) if q_rows is None else bits[q_rows]         # [G, Q]; padding: never read
-            r = j[None] - (sl - ql)[:, None]                                           # [G, L] node index
-            bit = (bits[:, :, None] >> r.clamp(0, 63)[:, None, :]) & 1                 # [G, Q, L]
-            mask = mask & ((r < 0)[:, None, :] | (bit == 1))[:, None]                  # [G, 1, Q, L]
-        groups.append((slots, q_rows, q_valid, mask))
+    decodes = [b for b, n in enumerate(md.query_lens_list) if n == 1]
+    rest = [b for b, n in enumerate(md.query_lens_list) if n > 1]
+    for rows in (*_buckets(decodes, md.seq_lens_list), rest):
+        if rows:
+            groups.append(_group(md, rows, block_size, device))
     md.plan["batched"] = groups
     return groups
 
 
+def _group(md, rows: list, block_size: int, device) -> tuple:
+    """One group's (slots [G, L], q_rows [G, Q] or None, q_valid [G, Q] or None, mask [G, 1, Q, L] or None)
+    for the sequences ``rows`` of the step (see ``_plan``)."""
+    q_lens, s_lens = md.query_lens_list, md.seq_lens_list
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
+    sl = torch.tensor([s_lens[b] for b in rows], device=device)                  # [G]
+    ql = torch.tensor([q_lens[b] for b in rows], device=device)                  # [G]
+    j = torch.arange(L, device=device)
+    valid = j[None] < sl[:, None]                                                # [G, L]
+    bt = md.block_tables.to(device)[torch.tensor(rows, device=device)].long()    # [G, W]
+    slots = bt[:, (j // block_size).clamp(max=bt.shape[1] - 1)].clamp(min=0) * block_size + j % block_size
+    # A padding position (past a row's own length) gathers the row's position 0 instead: a real, finite
+    # key that the mask then hides. (An unowned slot may hold NaN, and a masked 0 * NaN is still NaN.)
+    slots = torch.where(valid, slots, slots[:, :1])                              # [G, L]
+    i = torch.arange(Q, device=device)
+    q_pos = (sl - ql)[:, None] + i[None]                                         # [G, Q]
+    mask = (j[None, None, :] <= q_pos[:, :, None])[:, None]                      # [G, 1, Q, L]
+    if Q == 1 and min(s_lens[b] for b in rows) == L:
+        mask = None                                                              # decodes of one length
+    if rows == list(range(len(q_lens))) and all(q_lens[b] == Q for b in rows):
+        # every row of the batch, in order, Q queries each (decodes; one sequence's chunk or verify; a batch
+        # verifying k drafts each): the flat [T, H, D] is [G, Q, H, D] already, no gather or scatter
+        q_rows = q_valid = None
+    else:
+        q_valid = i[None] < ql[:, None]                                          # [G, Q]
+        q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
+    if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
+        bits = md.tree_bits.to(device)                                             # [T]
+        bits = bits.view(len(rows), Q) if q_rows is None else bits[q_rows]         # [G, Q]; padding: never read
+        r = j[None] - (sl - ql)[:, None]                                           # [G, L] node index
+        bit = (bits[:, :, None] >> r.clamp(0, 63)[:, None, :]) & 1                 # [G, Q, L]
+        mask = mask & ((r < 0)[:, None, :] | (bit == 1))[:, None]                  # [G, 1, Q, L]
+    return slots, q_rows, q_valid, mask
+
+
 def _batched(query, key_cache, value_cache, md, scale):
     T, H, D = query.shape
-    N, bs, Hkv, _ = key_cache.shape
     if T == 0:
         return torch.zeros_like(query)
-    # CPU matmuls in half precision are slow or missing: compute in float32 there, natively on a GPU
-    dt = torch.float32 if query.device.type == "cpu" else query.dtype
-    flat_k, flat_v = key_cache.view(N * bs, Hkv, D), value_cache.view(N * bs, Hkv, D)
     out = None
-    for slots, q_rows, q_valid, mask in _plan(md, bs, query.device):
-        G, L = slots.shape                          # (index_select copies rows about 2x faster than x[slots])
-        k = flat_k.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)   # [G, Hkv, L, D]
-        v = flat_v.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)
-        q = query.view(G, -1, H, D) if q_rows is None else query[q_rows]             # [G, Q, H, D]
-        o = F.scaled_dot_product_attention(q.to(dt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=H != Hkv).transpose(1, 2)      # [G, Q, H, D]
+    for slots, q_rows, q_valid, mask in _plan(md, key_cache.shape[1], query.device):
+        o = _sdpa_group(query, key_cache, value_cache, slots, q_rows, mask, scale)    # [G, Q, H, D]
         if q_rows is None:
-            return o.reshape(T, H, D).to(query.dtype)                                # the flat rows, in order
+            return o.reshape(T, H, D)                                                # the flat rows, in order
         if out is None:           # one spare row T: a group's padding queries land there (no boolean mask,
             out = query.new_empty(T + 1, H, D)                              # so no host sync), then dropped
         rows = torch.where(q_valid, q_rows, T).view(-1)
-        out.index_copy_(0, rows, o.reshape(-1, H, D).to(query.dtype))
+        out.index_copy_(0, rows, o.reshape(-1, H, D))
     return out[:T]
+
+
+def _sdpa_group(query, key_cache, value_cache, slots, q_rows, mask, scale):
+    """One group's attention: its context gathered out of the pool, then one SDPA call. -> [G, Q, H, D]"""
+    T, H, D = query.shape
+    N, bs, Hkv, _ = key_cache.shape
+    # CPU matmuls in half precision are slow or missing: compute in float32 there, natively on a GPU
+    dt = torch.float32 if query.device.type == "cpu" else query.dtype
+    flat_k, flat_v = key_cache.view(N * bs, Hkv, D), value_cache.view(N * bs, Hkv, D)
+    G, L = slots.shape                              # (index_select copies rows about 2x faster than x[slots])
+    k = flat_k.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)   # [G, Hkv, L, D]
+    v = flat_v.index_select(0, slots.view(-1)).view(G, L, Hkv, D).to(dt).transpose(1, 2)
+    q = query.view(G, -1, H, D) if q_rows is None else query[q_rows]                 # [G, Q, H, D]
+    o = F.scaled_dot_product_attention(q.to(dt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=H != Hkv).transpose(1, 2)          # [G, Q, H, D]
+    return o.to(query.dtype)
+
+
+# -- cpu: the C++ operator for the short rows, SDPA for the long chunks ------------------------------------------
+# Measured on the shipped target's shapes (4 heads of 64, one row against a 512-token context, one thread;
+# ``python -m minibatch.bench attention --cpu`` prints the same comparison): the operator takes 0.16x of "batched"'s time for one query,
+# 0.5-0.6x for 4-8 (verify chains, small trees), and 1.4x-4.5x for 16 and more, where SDPA's matrix products
+# win (``cpu_attention.py`` says why). So a row of up to LONG_QUERY queries is read in place, and a longer
+# one (a prefill chunk, a big tree) goes through "batched"'s gather and SDPA, in the same step.
+LONG_QUERY = 8
+
+
+def _hybrid_plan(md, block_size: int, device) -> tuple:
+    """Once per step: (seq_lens for the operator [B] int32, the long rows' group or None, where its valid
+    outputs come from [n] and go to [n]). A long row's seq_len is 0 for the operator, which then reads no
+    context for it (the padding row's case) and writes zeros that the SDPA rows overwrite."""
+    if "cpu" in md.plan:
+        return md.plan["cpu"]
+    long_rows = [] if md.static else [b for b, n in enumerate(md.query_lens_list) if n > LONG_QUERY]
+    if not long_rows:
+        plan = (md.seq_lens, None, None, None)
+    else:
+        seq_lens = md.seq_lens.clone()
+        seq_lens[long_rows] = 0
+        group = _group(md, long_rows, block_size, device)
+        _, q_rows, q_valid, _ = group
+        src = None if q_rows is None else q_valid.reshape(-1).nonzero().squeeze(1)    # [n]: real queries only
+        dst = None if q_rows is None else q_rows.reshape(-1)[src]                     # [n]: their flat rows
+        plan = (seq_lens, group, src, dst)
+    md.plan["cpu"] = plan
+    return plan
+
+
+def _cpu_attend(query, key_cache, value_cache, md, scale):
+    T, H, D = query.shape
+    seq_lens, group, src, dst = _hybrid_plan(md, key_cache.shape[1], query.device)
+    if group is not None and group[1] is None:            # every row long: SDPA alone
+        return _sdpa_group(query, key_cache, value_cache, group[0], None, group[3], scale).reshape(T, H, D)
+    out = cpu_attention.attend(query, key_cache, value_cache, md, scale, seq_lens=seq_lens)
+    if group is not None:
+        slots, q_rows, _, mask = group
+        o = _sdpa_group(query, key_cache, value_cache, slots, q_rows, mask, scale).reshape(-1, H, D)
+        out.index_copy_(0, dst, o.index_select(0, src))
+    return out
 
 
 # -- triton -------------------------------------------------------------------------------------------------------
@@ -280,7 +334,7 @@ def get(backend: str, checked: bool = False):
         elif checked:
             return store_kv_torch, _checked(cpu_attention.paged_attention_cpu)
         else:
-            return _store, cpu_attention.attend
+            return _store, _cpu_attend
     if backend == "triton":
         try:
             import kernels                        # lazily: the other backends need no Triton

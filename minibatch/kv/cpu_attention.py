@@ -310,10 +310,12 @@ def paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, q
     return op(query, key_cache.contiguous(), value_cache.contiguous(), *i32, float(scale), tree_bits)
 
 
-def attend(query, key_cache, value_cache, md, scale):
-    """The engine's path (``backends.get("cpu")``): the metadata was checked once, by ``AttentionMetadata.build``."""
+def attend(query, key_cache, value_cache, md, scale, seq_lens=None):
+    """The engine's path (``backends.get("cpu")``): the metadata was checked once, by ``AttentionMetadata.build``.
+    ``seq_lens`` [B] int32 replaces ``md.seq_lens`` (a 0 skips a row: ``backends._cpu_attend`` gives long rows
+    to SDPA)."""
     if query.device.type != "cpu":
         raise ValueError(f"the 'cpu' attention backend runs on CPU tensors, got {query.device}; "
                          f"on a GPU choose 'triton' or 'batched'")
-    return _OP(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-               md.tree_bits)
+    return _OP(query, key_cache, value_cache, md.block_tables, md.seq_lens if seq_lens is None else seq_lens,
+               md.query_start_loc, scale, md.tree_bits)
