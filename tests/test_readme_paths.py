@@ -186,6 +186,8 @@ def test_the_course_opens_every_notebook():
 
 
 # -- the instructor's week ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not (ROOT / "exercises" / "release.py").exists(),
+                    reason="the release builder stays with the instructor (this is a student release)")
 def test_the_instructors_week_runs_as_written(tmp_path):
     """Release with --parts, then grade the stubs and the solutions with the same --parts: 0, then full marks."""
     cwd, reports = ROOT, []
