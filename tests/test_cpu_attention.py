@@ -322,3 +322,17 @@ def test_the_cpu_bench_runs_and_agrees(op, capsys):
     assert bench_cpu([(3, 40, 4, 2, 32, torch.float32)], iters=1, rounds=1)
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert float(row.split()[-1]) < 1e-5, row
+
+
+# -- the default: "cpu" on a CPU where it builds ----------------------------------------------------------------------
+def test_the_engine_picks_cpu_on_a_cpu_and_a_graph_safe_backend_for_eager_replay(op):
+    from minibatch.engine.config import EngineConfig
+    from minibatch.engine.engine import LLMEngine
+    from minibatch.model.model import GPT, GPTConfig
+    model = GPT(GPTConfig("tiny", n_layer=1, n_head=2, n_embd=32, n_ctx=64)).eval()
+    shared = EngineConfig(block_size=4)
+    assert LLMEngine(model, shared).config.attention_backend == "cpu"
+    assert shared.attention_backend is None                    # the caller's config is not rewritten
+    replay = LLMEngine(model, EngineConfig(block_size=4, cuda_graph_mode="eager-replay"))
+    assert replay.config.attention_backend == "batched"        # a static batch needs a graph-safe backend
+    assert LLMEngine(model, EngineConfig(block_size=4, attention_backend="loop")).config.attention_backend == "loop"
