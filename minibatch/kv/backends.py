@@ -13,15 +13,17 @@ plain causal. Query t sees key j iff ``j <= its index`` and (``j < context_len``
 
   "loop"    -- the teaching version: one sequence at a time, gather its K/V through its block table
                into a contiguous [L, Hkv, D], then a plain masked softmax. Read this one first.
-  "batched" -- the fast default: the rows are split into decodes (q_len 1) and the rest (prefill,
+  "batched" -- the default on a GPU: the rows are split into decodes (q_len 1) and the rest (prefill,
                chunks, verification), and each group is gathered at once into padded
                [G, L, Hkv, D] and handed to ``scaled_dot_product_attention`` with one mask. What it
                derives from the metadata (gather indices, masks) is built once per step, not per layer.
   "triton"  -- ``kernels.paged_attention``: reads blocks in place with an online softmax; pure-decode steps go
                to ``kernels.flash_decode`` (full tiles, the context split over programs).
-  "cpu"     -- ``cpu_attention.py``: a small C++ operator (vLLM's CPU attention, compiled at first use) that reads
-               the blocks in place with an online softmax, OpenMP over (sequence, KV head); "batched" where
-               it cannot be built (said once, in a warning).
+  "cpu"     -- the default on a CPU (``attention.default_backend``): ``cpu_attention.py``, a small C++
+               operator (vLLM's CPU attention, compiled at first use) that reads the blocks in place with an
+               online softmax, OpenMP over (sequence, KV head), for the rows of up to LONG_QUERY queries;
+               longer rows (prefill chunks) go through "batched"'s SDPA in the same step. "batched" where the
+               operator cannot be built (said once, in a warning).
 
 The public functions (``store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``) check
 their inputs (``checks.py``), so a student or a test calling one directly gets a clear error. Inside the engine the
@@ -111,7 +113,7 @@ def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, 
     return out
 
 
-# -- attend: the fast default (backend "batched") -------------------------------------------------------------
+# -- attend: the batched backend (the GPU's default) -------------------------------------------------------------
 def paged_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                             tree_bits=None):
     """Same as paged_attention_loop, for the whole batch at once (two groups: decodes and the rest)."""
