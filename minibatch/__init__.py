@@ -2,7 +2,7 @@
 
 The public entry points mirror vLLM's: ``LLM`` and ``SamplingParams`` for whole
 prompt lists, ``LLMEngine`` for one iteration at a time. The rooms, bottom to top (each imports only
-the rooms below it; README.md, Layout): ``model/`` (the tiny GPT and its weights), ``kv/`` (the paged
+the rooms below it; README.md, "Read the code"): ``model/`` (the tiny GPT and its weights), ``kv/`` (the paged
 KV cache and attention), ``sampling/``, ``spec_decode/`` (speculative decoding), ``engine/``
 (scheduling and the step loop), ``llm.py``, then what drives and draws it: ``serve/``, ``viz/``,
 ``bench/`` (workloads, benchmarks, demos).

@@ -33,7 +33,7 @@ def _generate(args) -> int:
     dt = time.perf_counter() - t
     comp = out.outputs[0]
     print(f"# minibatch · model {args.preset} ({llm.model.num_params():,} parameters) · device {llm.device} · "
-          f"backend {args.backend}", file=sys.stderr)
+          f"backend {llm.llm_engine.config.attention_backend}", file=sys.stderr)
     print(args.prompt + comp.text)
     print(f"# {len(comp.token_ids)} tokens in {dt:.2f} s ({len(comp.token_ids) / dt:.1f} tokens/s), "
           f"finish reason: {comp.finish_reason}", file=sys.stderr)

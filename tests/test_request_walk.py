@@ -18,7 +18,7 @@ from minibatch.model.model import GPT, GPTConfig
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "minibatch"
 
-# The walk's stations (README.md, "Follow one request"), in the order a step reaches them; sampler.py also holds the
+# The walk's stations (README.md, "Read the code" -> "The step"), in the order a step reaches them; sampler.py also holds the
 # SamplingParams a request carries, so it is entered earlier too.
 WALK = ["llm.py", "engine/engine.py", "engine/scheduler.py", "kv/block_allocator.py", "engine/model_runner.py",
         "kv/attention.py", "sampling/sampler.py", "engine/outputs.py"]

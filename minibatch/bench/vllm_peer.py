@@ -36,7 +36,7 @@ What vLLM does on this CPU that minibatch does not (read in the venv's vllm 0.32
   - the n-gram proposer is numba-compiled (``v1/spec_decode/ngram_proposer.py``, ``@njit``).
 
 Where minibatch's decode step goes (torch.profiler, 16 decode rows of ~100-token contexts, 1 thread, machine
-busy with other jobs): see the README's "vLLM as the peer" section.
+busy with other jobs): see minibatch/bench/README.md, "vLLM as the peer".
 """
 from __future__ import annotations
 

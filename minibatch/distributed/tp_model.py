@@ -15,7 +15,7 @@ each all-reduce, so hidden states (Medusa's, EAGLE's features) are the same on e
 vocabulary for big vocabularies: VocabParallelEmbedding / ParallelLMHead.)
 
 Every rank thus runs ``GPT.forward`` unchanged; only the modules inside the blocks differ. Two all-reduces of
-[T, C] per block: 2 · L · T · C · bytes cross the wire each forward (the README's TP section counts them).
+[T, C] per block: 2 · L · T · C · bytes cross the wire each forward (minibatch/distributed/README.md counts them).
 
 **The Llama, by K/V groups.** With grouped-query attention, query heads g·H/Hkv .. (g+1)·H/Hkv - 1 read K/V
 head g (Hugging Face's ``repeat_kv`` layout). A rank must hold whole groups, so that every query head it

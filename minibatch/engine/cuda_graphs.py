@@ -23,7 +23,7 @@ fixed-shape forward eagerly, with no capture, on any device: it is how CI, with 
 token for token equal to the plain one (tests/test_cuda_graphs.py).
 
 On a machine with a GPU, run (about two minutes): the `gpu` tests, then a batch-16 decode step with graphs
-against eager in the same process (alternating, best of several; the README's "On a GPU" wants its figures):
+against eager in the same process (alternating, best of several; minibatch/kv/README.md's "On a GPU" wants its figures):
 
     python3 -m pytest -m gpu -q tests/test_cuda_graphs.py && python3 -m minibatch.engine.cuda_graphs --device cuda
 """

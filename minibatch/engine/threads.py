@@ -3,7 +3,7 @@
 torch's default is one intra-op thread per core. A matrix product of a 3.4 M-parameter model is too small to
 split: two threads each get a sliver of work and then wait for each other at every operator's barrier.
 On a machine where anything else runs, the wait is for a core that the other job holds, and a step
-that takes a millisecond alone takes tens of milliseconds (measured in the README: the first command at
+that takes a millisecond alone takes tens of milliseconds (measured in minibatch/bench/README.md: the first command at
 46-62 tokens/s with torch's 2 threads beside another job, 900+ with one). So on CPU the engine picks:
 
     threads = clamp(num_params // PARAMS_PER_THREAD, 1, cores this process may use)
