@@ -61,6 +61,12 @@ GUARD_CELL = ["# Student release: a cell that needs an exercise you have not fin
               "exercises.notebook.skip_unfinished_cells()"]
 
 
+# A module whose cut source builds a native library at first use, and the name of that build: the release's gets a
+# name of its own, so a release built and run on the instructor's machine never shares (and so never overwrites) the
+# instructor's compiled library in the build cache (the release's C++ source is the operator's schema only).
+OWN_BUILDS = {"minibatch.kv.cpu_attention": ('"minibatch_paged_attention_cpu"', '"minibatch_paged_attention_cpu_release"')}
+
+
 def module_path(p: exercises.Piece) -> str:
     return p.module.replace(".", "/") + ".py"
 
@@ -342,7 +348,13 @@ def build(out: Path, parts=None, solutions: Path | None = None, root: Path = REP
     for module, plan in elsewhere(pieces).items():       # the parts' other implementations (Piece.elsewhere)
         target = out / (module.replace(".", "/") + ".py")
         if target.exists():                              # a module this checkout lacks has nothing to give away
-            target.write_text(cut_elsewhere(target.read_text(), module, plan))
+            text = cut_elsewhere(target.read_text(), module, plan)
+            if module in OWN_BUILDS:
+                old, new = OWN_BUILDS[module]
+                if text.count(old) != 1:
+                    raise ValueError(f"{module}: the build's name {old} is not in it once (OWN_BUILDS)")
+                text = text.replace(old, new)
+            target.write_text(text)
     names = ", ".join(repr(p.name) for p in pieces)
     (out / "exercises" / "_release.py").write_text(
         '"""Written by exercises/release.py: the parts whose reference this student release leaves out."""\n'

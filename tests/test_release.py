@@ -176,10 +176,10 @@ def test_the_untouched_stubs_score_zero(built, tmp_path):
     out, _, _ = built
     rep = grade(out, tmp_path)
     assert rep["score"] == 0
-    assert rep["extra_data"]["max_score"] == sum(grader.POINTS.get(p.part, grader.DEFAULT_POINTS)
-                                                 for p in exercises.PIECES.values())
+    every = [p.part for p in exercises.PIECES.values()] + list(grader.INTEGRATIONS)     # ex11: ex1+ex6+ex7 together
+    assert rep["extra_data"]["max_score"] == sum(grader.POINTS.get(p, grader.DEFAULT_POINTS) for p in every)
     parts = rep["extra_data"]["parts"]
-    assert set(parts) == {p.part for p in exercises.PIECES.values()}
+    assert set(parts) == set(every)
     for part, r in parts.items():
         assert r["score"] == 0 and r["tests"] >= 5 and not r["problem"], (part, r)
 
@@ -191,6 +191,33 @@ def test_the_instructors_solutions_score_full_marks(built, tmp_path):
     failing = [t["name"] + ": " + t["output"][:300] for t in rep["tests"] if t["status"] != "passed"]
     assert not bad, f"{bad}\n" + "\n".join(failing[:5])
     assert rep["score"] == rep["extra_data"]["max_score"] > 0
+
+
+def test_a_staged_release_offers_your_engine_only_with_all_its_parts(tmp_path):
+    """ex11 grades exercises 1, 6 and 7 together: a week that hands out ex1 and ex6 but not ex7 yet does not offer
+    it (the engine would run the instructor's scheduler there), and the grader says so instead of scoring it; the
+    test file and the grader that run it ship all the same, for the week that holds all three out."""
+    out = tmp_path / "staged"
+    release.build(out, parts="ex1,ex6")
+    assert (out / "tests" / "exercises" / "test_ex11_your_engine.py").exists()
+    rep = grade(out, tmp_path, "--parts", "ex11")
+    r = rep["extra_data"]["parts"]["ex11"]
+    assert r["max_score"] == 0 and "ex7 (scheduler step)" in r["not_graded"] and "not in this release" in r["not_graded"]
+    assert rep["tests"] == [] and rep["extra_data"]["max_score"] == 0
+    p = run(out, "-m", "exercises.grade", "--parts", "ex1,ex11,ex6", "--part-timeout", "1")   # offered or not: said
+    assert p.returncode == 0 and "ex11" in p.stdout and "not in this release" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_release_builds_its_native_library_under_a_name_of_its_own(tmp_path):
+    """The release's cpu attention operator is its schema only: built under the instructor's name, in the shared
+    build cache, it would replace the instructor's compiled library (and the instructor's engine would then find an
+    operator without a kernel). A release that keeps ex2 keeps the instructor's source, and its name."""
+    for parts, own in (("ex2", True), ("ex1", False)):
+        out = tmp_path / parts
+        release.build(out, parts=parts)
+        text = (out / "minibatch" / "kv" / "cpu_attention.py").read_text()
+        assert ('"minibatch_paged_attention_cpu_release"' in text) == own, parts
+        assert ("TORCH_LIBRARY_FRAGMENT" in text) and (("online" in text.lower()) or own)
 
 
 def test_a_re_export_of_the_engines_name_is_not_the_reference(built, tmp_path):
