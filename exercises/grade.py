@@ -424,17 +424,23 @@ def report(runs: list, seconds: float) -> tuple[str, dict]:
 
 def add_project(rep: dict, student_dir=None) -> None:
     """The scheduling project (exercises/project.py, in a process of its own) into the report: one test entry
-    (the correctness floor, then goodput against the engine's scheduler), and Gradescope's ``leaderboard``."""
+    (the correctness floor, then the headroom closed against the engine's scheduler, each workload's figures in
+    its output), and Gradescope's ``leaderboard``."""
     from exercises import project
     p = project.score(student_dir)
-    rep["tests"].append({"name": "project: scheduling policy (correctness floor, goodput)", "score": p["points"],
-                         "max_score": float(p["max_points"]), "status": "passed" if p["floor"] else "failed",
+    rep["tests"].append({"name": "project: scheduling policy (correctness floor, headroom closed)",
+                         "score": p["points"], "max_score": float(p["max_points"]),
+                         "status": "passed" if p["floor"] else "failed",
                          "output": p["output"], "visibility": "visible", "tags": ["project"]})
     rep["score"] = sum(t["score"] for t in rep["tests"])
     rep["leaderboard"] = p["leaderboard"]
     rep["extra_data"]["max_score"] += p["max_points"]
-    rep["extra_data"]["project"] = {k: p[k] for k in ("points", "max_points", "floor", "goodput", "baseline")}
-    rep["output"] += f"\n\nproject: {p['points']:g} / {p['max_points']} ({p['output'].splitlines()[0]})"
+    rep["extra_data"]["project"] = {k: p[k] for k in ("points", "max_points", "floor", "headroom", "goodput",
+                                                      "baseline")}
+    rep["extra_data"]["project"]["seeds"] = [
+        {"seed": r["seed"], "requests": r["student"].get("requests"), "met": r["student"].get("met_slo"),
+         "baseline_met": r["baseline"].get("met_slo"), "headroom": r.get("headroom")} for r in p.get("seeds", [])]
+    rep["output"] += f"\n\nproject: {p['points']:g} / {p['max_points']}\n{p['output']}"
 
 
 def failed_report(error: str, seconds: float) -> dict:

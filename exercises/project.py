@@ -2,11 +2,20 @@
 
 The student's ``ProjectScheduler`` (``project_scheduler.py`` in ``--student-dir``, else this package) runs the
 engine on a workload of requests that arrive over time, with the shipped model; so does the engine's own
-scheduler, on the same workload in the same process, as the baseline. Each is scored by **goodput**: the
-requests that met both latency targets (time to the first token <= TTFT_SLO, time per output token after it
-<= TPOT_SLO), per second of the run's clock. The correctness floor comes first: every request finishes and
+scheduler, on the same workload in the same process, as the baseline. Each is measured by the requests that met
+both latency targets (time to the first token <= TTFT_SLO, time per output token after it <= TPOT_SLO), and by
+**goodput**, those per second of the run's clock. The correctness floor comes first: every request finishes and
 no block leaks (the allocator's free count is back to its size, its invariants hold); a policy below the
 floor scores 0.
+
+The score is the **headroom** the student's policy closes: on a workload of N requests where the engine's
+scheduler meets ``base``, a policy that meets ``met`` closes (met - base) / (N - base) of what was left to gain
+(below the baseline: (met - base) / base, down to -1). It is averaged over several workloads (``seeds``): the
+practice ones ship (``PRACTICE_SEEDS``, NUM_REQUESTS requests each), the grader's hidden ones are more and larger
+(``exercises/project_hidden.py``: SEEDS, NUM_REQUESTS), so the ranking moves in steps of a fraction of a percent,
+not of one request in 40. Full goodput points at a mean of FULL_AT (a quarter of the headroom: the instructor's
+shortest-job-first policy in project_hidden.py reaches about a third on the hidden workloads), half of them for
+matching the engine's scheduler, none for a policy that meets nothing; the report prints every seed's figures.
 
 The clock is one switch, ``CLOCK``, "simulated" as shipped: each step takes ``StepTrace.simulated_duration``,
 the engine's roofline of that step on an H100 serving Llama-3-8B (``LLM(..., simulate=SIMULATE)``,
@@ -14,13 +23,13 @@ the engine's roofline of that step on an H100 serving Llama-3-8B (``LLM(..., sim
 and every machine, where a shared machine's wall clock would rank students by their neighbours' load. The
 targets are the simulator's: a decode step there takes about 5 ms, so TPOT_SLO (6 ms) is missed by a request
 that is preempted or kept waiting behind prefills, and TTFT_SLO (80 ms) by one queued too long in a burst;
-tuned so that the engine's scheduler meets them for 65-80 % of the requests (seeds 1-3 and the hidden one)
+tuned so that the engine's scheduler meets them for 65-80 % of the requests (seeds 1-3 and the hidden ones)
 and an admit-first policy for fewer. ``python -m exercises.project --clock cpu`` (or ``CLOCK = "cpu"``)
 scores on each step's measured wall time instead, with the rougher CPU targets below (untuned; noisy, so the
 baseline runs twice beside yours).
 
-The workload is generated from a seed (``workload``): the practice seed ships; the grader's hidden one lives in
-``exercises/project_hidden.py``, which a student release leaves out. Scoring runs in a child process of its
+Each workload is generated from a seed (``workload``): the practice seeds ship; the grader's hidden seeds and size
+live in ``exercises/project_hidden.py``, which a student release leaves out. Scoring runs in a child process of its
 own (``--run``), killed past ``--timeout``, so a policy that hangs or crashes costs the project only.
 """
 from __future__ import annotations
@@ -38,14 +47,17 @@ from pathlib import Path
 
 CLOCK = "simulated"                    # "simulated" | "cpu": the single switch (see the module docstring)
 SIMULATE = "h100:llama-3-8b"           # the simulated target, with CLOCK = "simulated"
-PRACTICE_SEED = 1
+PRACTICE_SEEDS = (1, 2, 3)             # the workloads a student practises on (python -m exercises.project)
+PRACTICE_SEED = PRACTICE_SEEDS[0]
 TTFT_SLO = {"cpu": 1.0, "simulated": 0.080}      # seconds (simulated ones: seconds on the simulated H100)
 TPOT_SLO = {"cpu": 0.15, "simulated": 0.006}     # seconds per output token
-NUM_REQUESTS = 40                                # 4 bursts of BURST; 2-3 s a policy on a busy 2-core CPU
+NUM_REQUESTS = 40                                # 4 bursts of BURST; 2-3 s a policy on a busy 2-core CPU (the
+                                                 # hidden workloads: project_hidden.NUM_REQUESTS, larger)
 BURST, BURST_GAP, BURST_SPREAD = 12, 0.30, 0.02   # requests a burst, s between bursts, s a burst lasts
 CLOCKS = ("simulated", "cpu")
 ENGINE = dict(block_size=8, num_gpu_blocks=48, max_num_seqs=8, max_num_batched_tokens=64)
 POINTS_FLOOR, POINTS_GOODPUT = 10, 10            # autograded; the written report is graded by hand
+FULL_AT = 0.25                                   # mean headroom closed that earns every goodput point
 TIMEOUT = 900.0
 
 
@@ -130,47 +142,74 @@ def _load_student(student_dir: Path):
     return mod.ProjectScheduler
 
 
-def _run(student_dir: Path, seed: int, out: Path, num_requests: int = NUM_REQUESTS) -> None:
-    """In the child: baseline and student's policy on the same workload (baseline first, then the student's;
-    on the CPU clock the baseline again: that clock drifts on a shared machine, the better baseline is kept)."""
+def _run(student_dir: Path, seeds, out: Path, num_requests: int = NUM_REQUESTS) -> None:
+    """In the child: per seed, the baseline and the student's policy on the same workload (baseline first, then the
+    student's; on the CPU clock the baseline again: that clock drifts on a shared machine, the better baseline is
+    kept). A policy that fails on one seed is below the floor."""
     import torch
     from minibatch.engine.scheduler import Scheduler
     from minibatch.model.weights import load_model
     torch.manual_seed(0)
     model = load_model("target", device="cpu")
-    reqs = workload(seed, num_requests)
     student_cls = _load_student(student_dir)
-    base = [run_policy(Scheduler, reqs, model)]
-    result = {"clock": CLOCK, "seed_is_practice": seed == PRACTICE_SEED}
-    try:
-        result["student"] = run_policy(student_cls, reqs, model)
-    except Exception as e:                                   # below the floor: say why
-        result["student"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-    if CLOCK == "cpu":
-        base.append(run_policy(Scheduler, reqs, model))
-    result["baseline"] = max(base, key=lambda r: r["goodput"])
-    out.write_text(json.dumps(result))
+    result = {"clock": CLOCK, "seeds": []}
+    for seed in seeds:
+        reqs = workload(seed, num_requests)
+        base = [run_policy(Scheduler, reqs, model)]
+        row = {"seed": seed, "seed_is_practice": seed in PRACTICE_SEEDS}
+        try:
+            row["student"] = run_policy(student_cls, reqs, model)
+        except Exception as e:                               # below the floor: say why
+            row["student"] = {"error": f"seed {seed}: {type(e).__name__}: {e}"[:2000]}
+        if CLOCK == "cpu":
+            base.append(run_policy(Scheduler, reqs, model))
+        row["baseline"] = max(base, key=lambda r: r["goodput"])
+        result["seeds"].append(row)
+        out.write_text(json.dumps(result))                   # what is done so far survives a timeout
+        if "error" in row["student"]:
+            break
 
 
-def score(student_dir=None, seed=None, timeout: float = TIMEOUT, num_requests: int = NUM_REQUESTS,
-          clock: str = None) -> dict:
-    """Run the project in a child process, on ``clock`` (default ``CLOCK``); {"points", "max_points", "floor",
-    "goodput", "baseline", "output", "leaderboard": [{"name", "value", "order"}]}."""
+def headroom(met: int, base: int, n: int):
+    """The share of the headroom a policy closed on one workload: (met - base) / (n - base), what the engine's
+    scheduler left to gain; below the baseline (met - base) / base, down to -1 for meeting nothing. None where
+    there was nothing to gain or lose (the baseline met all n, and so did the policy)."""
+    if met >= base:
+        return None if base == n else (met - base) / (n - base)
+    return (met - base) / base
+
+
+def goodput_share(h: float) -> float:
+    """The share of the goodput points for a mean headroom ``h``: 1/2 for matching the engine's scheduler, all at
+    FULL_AT, 0 for meeting nothing (linear between)."""
+    return 0.5 + 0.5 * min(1.0, h / FULL_AT) if h >= 0 else 0.5 * max(0.0, 1.0 + h)
+
+
+def score(student_dir=None, seed=None, timeout: float = TIMEOUT, num_requests: int = None, clock: str = None,
+          seeds=None) -> dict:
+    """Run the project in a child process, on ``clock`` (default ``CLOCK``), over ``seeds`` (``seed``: one; default
+    the hidden ones, else PRACTICE_SEEDS) of ``num_requests`` each (default: the hidden size, else NUM_REQUESTS);
+    {"points", "max_points", "floor", "headroom", "goodput", "baseline", "seeds": [per seed], "output",
+    "leaderboard": [{"name", "value", "order"}]}."""
     import tempfile
     clock = clock or CLOCK
     if clock not in CLOCKS:
         raise ValueError(f"unknown clock {clock!r}; choose one of {list(CLOCKS)}")
     student_dir = Path(student_dir or os.environ.get("MINIBATCH_STUDENT_DIR") or Path(__file__).parent).resolve()
-    if seed is None:
-        try:
-            from exercises.project_hidden import SEED as seed      # the instructor's hidden workload
+    if seeds is None and seed is not None:
+        seeds = (seed,)
+    if seeds is None:
+        try:                                                    # the instructor's hidden workloads
+            from exercises.project_hidden import NUM_REQUESTS as hidden_n, SEEDS as seeds
+            num_requests = num_requests or hidden_n
         except ImportError:
-            seed = PRACTICE_SEED
+            seeds = PRACTICE_SEEDS
+    seeds, num_requests = [int(x) for x in seeds], num_requests or NUM_REQUESTS
     with tempfile.TemporaryDirectory(prefix="minibatch-project-") as tmp:
         out = Path(tmp) / "result.json"
         p = subprocess.Popen([sys.executable, "-m", "exercises.project", "--run", "--student-dir", str(student_dir),
-                              "--seed", str(seed), "--result", str(out), "--requests", str(num_requests),
-                              "--clock", clock], cwd=Path(__file__).resolve().parent.parent,
+                              "--seeds", ",".join(map(str, seeds)), "--result", str(out), "--requests",
+                              str(num_requests), "--clock", clock], cwd=Path(__file__).resolve().parent.parent,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             log = p.communicate(timeout=timeout)[0].decode(errors="replace")
@@ -179,50 +218,77 @@ def score(student_dir=None, seed=None, timeout: float = TIMEOUT, num_requests: i
             os.killpg(p.pid, signal.SIGKILL)
             log, why = p.communicate()[0].decode(errors="replace"), f"stopped at the time limit of {timeout:g} s"
         res = json.loads(out.read_text()) if out.exists() else {}
-    st, base = res.get("student", {}), res.get("baseline", {})
-    floor = not why and "error" not in st and st.get("finished") == st.get("requests") and st.get("leaked_blocks") == 0
-    if not floor:
+    rows = res.get("seeds", [])
+    max_points = POINTS_FLOOR + POINTS_GOODPUT
+    bad = next((r["student"] for r in rows if "error" in r["student"] or r["student"].get("leaked_blocks")
+                or r["student"].get("finished") != r["student"].get("requests")), None)
+    if why or bad is not None or len(rows) != len(seeds):
+        st = bad or {}
         reason = why or st.get("error") or (f"{st.get('finished')} of {st.get('requests')} requests finished, "
-                                            f"{st.get('leaked_blocks')} blocks leaked")
-        return {"points": 0.0, "max_points": POINTS_FLOOR + POINTS_GOODPUT, "floor": False, "goodput": 0.0,
-                "baseline": base.get("goodput", 0.0), "leaderboard": [{"name": "goodput (req/s)", "value": 0.0,
-                                                                       "order": "desc"}],
+                                            f"{st.get('leaked_blocks')} blocks leaked" if st else "no result")
+        return {"points": 0.0, "max_points": max_points, "floor": False, "headroom": 0.0, "goodput": 0.0,
+                "baseline": 0.0, "seeds": rows,
+                "leaderboard": [{"name": "headroom closed (%)", "value": 0.0, "order": "desc"}],
                 "output": f"Below the correctness floor: {reason}.\n{log[-1500:]}"}
-    # half the goodput points for matching the engine's scheduler, all of them at 1.3 times its goodput
-    ratio = st["goodput"] / base["goodput"] if base.get("goodput") else 1.0
-    share = min(1.0, max(0.0, 0.5 + (ratio - 1.0) / 0.6))
-    quarters = round(4 * POINTS_GOODPUT * share)                   # a dyadic fraction: exact in the sums
+    lines, hs = [], []
+    for r in rows:
+        st, base = r["student"], r["baseline"]
+        h = headroom(st["met_slo"], base["met_slo"], st["requests"])
+        r["headroom"] = h
+        if h is not None:
+            hs.append(h)
+        gap = st["requests"] - base["met_slo"]
+        lines.append(f"  seed {r['seed']}{' (practice)' if r['seed_is_practice'] else ''}: {st['met_slo']} of "
+                     f"{st['requests']} met the targets, the engine's scheduler {base['met_slo']}: headroom "
+                     + (f"({st['met_slo']} - {base['met_slo']}) / {gap} = {100 * h:+.1f} %" if h is not None and
+                        st['met_slo'] >= base['met_slo'] else
+                        f"({st['met_slo']} - {base['met_slo']}) / {base['met_slo']} = {100 * h:+.1f} % (below it)"
+                        if h is not None else "none to gain (every request met)")
+                     + f"; goodput {st['goodput']:.3f} req/s, the engine's {base['goodput']:.3f}")
+    h = sum(hs) / len(hs) if hs else 0.0
+    quarters = round(4 * POINTS_GOODPUT * goodput_share(h))          # a dyadic fraction: exact in the sums
     points = POINTS_FLOOR + quarters / 4
-    text = (f"clock: {res['clock']} ({SIMULATE + ', simulated' if res['clock'] == 'simulated' else 'CPU wall time'}); "
-            f"{st['met_slo']} of {st['requests']} requests met TTFT <= {TTFT_SLO[clock]} s and TPOT <= "
-            f"{TPOT_SLO[clock]} s ({base['met_slo']} for the engine's scheduler); goodput {st['goodput']:.3f} "
-            f"req/s, the engine's scheduler {base['goodput']:.3f} req/s (x{ratio:.2f}); floor met (every request "
-            f"finished, no block leaked)")
-    return {"points": points, "max_points": POINTS_FLOOR + POINTS_GOODPUT, "floor": True, "goodput": st["goodput"],
-            "baseline": base["goodput"], "output": text,
-            "leaderboard": [{"name": "goodput (req/s)", "value": round(st["goodput"], 4), "order": "desc"},
-                            {"name": "met SLO", "value": st["met_slo"], "order": "desc"}]}
+    met = sum(r["student"]["met_slo"] for r in rows)
+    n = sum(r["student"]["requests"] for r in rows)
+    goodput = sum(r["student"]["goodput"] for r in rows) / len(rows)
+    baseline = sum(r["baseline"]["goodput"] for r in rows) / len(rows)
+    clock_name = SIMULATE + ", simulated" if res["clock"] == "simulated" else "CPU wall time"
+    text = "\n".join([
+        f"headroom closed {100 * h:+.1f} % on average over {len(rows)} workload(s) of {rows[0]['student']['requests']} "
+        f"requests (full goodput points at {100 * FULL_AT:g} %): {quarters / 4:g} / {POINTS_GOODPUT} goodput points; "
+        f"clock: {res['clock']} ({clock_name})",
+        *lines,
+        f"  targets: TTFT <= {TTFT_SLO[clock]} s and TPOT <= {TPOT_SLO[clock]} s; {met} of {n} met in all; floor "
+        f"met (every request finished, no block leaked)"])
+    return {"points": points, "max_points": max_points, "floor": True, "headroom": h, "goodput": goodput,
+            "baseline": baseline, "seeds": rows, "output": text,
+            "leaderboard": [{"name": "headroom closed (%)", "value": round(100 * h, 2), "order": "desc"},
+                            {"name": "met SLO", "value": met, "order": "desc"},
+                            {"name": "goodput (req/s)", "value": round(goodput, 4), "order": "desc"}]}
 
 
 def main(argv=None) -> int:
     global CLOCK
     ap = argparse.ArgumentParser(prog="python -m exercises.project", description=__doc__.splitlines()[0])
     ap.add_argument("--student-dir", help="the directory holding project_scheduler.py (default: this package)")
-    ap.add_argument("--seed", type=int, help=f"the workload's seed (default: the hidden one, else {PRACTICE_SEED})")
+    ap.add_argument("--seed", type=int, help="one workload's seed (default: the hidden seeds, else the practice ones, "
+                                             f"{', '.join(map(str, PRACTICE_SEEDS))})")
+    ap.add_argument("--seeds", help="comma-separated seeds, scored on each and averaged")
     ap.add_argument("--json", metavar="PATH", help="write the score here")
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds (default {TIMEOUT:g})")
     ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)      # the child
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--requests", type=int, default=NUM_REQUESTS,
-                    help=f"how many requests the workload has (default {NUM_REQUESTS})")
+    ap.add_argument("--requests", type=int, default=None,
+                    help=f"how many requests each workload has (default: the hidden size, else {NUM_REQUESTS})")
     ap.add_argument("--clock", choices=CLOCKS, default=CLOCK,
                     help=f"simulated H100 time (deterministic) or this CPU's wall time (default {CLOCK})")
     args = ap.parse_args(argv)
     CLOCK = args.clock
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else None
     if args.run:
-        _run(Path(args.student_dir), args.seed, Path(args.result), args.requests)
+        _run(Path(args.student_dir), seeds or [args.seed], Path(args.result), args.requests or NUM_REQUESTS)
         return 0
-    rep = score(args.student_dir, args.seed, args.timeout, args.requests, args.clock)
+    rep = score(args.student_dir, args.seed, args.timeout, args.requests, args.clock, seeds=seeds)
     print(rep["output"])
     print(f"project: {rep['points']:g} / {rep['max_points']} autograded points (the report is graded by hand)")
     if args.json:
