@@ -5,9 +5,10 @@ the same interface as exercise 7's ``Scheduler`` (``SchedulerBase`` gives the qu
 them; read ``exercises/ex7_scheduler.py``'s docstring for what ``_fill`` must produce). It starts as the
 engine's own continuous scheduler: it already finishes every request and leaks no block, the correctness
 floor. Make it serve more requests within their latency targets (time to the first token, time per output
-token, on the simulated H100 clock: the same score on every run) on the workload the grader generates;
-``python -m exercises.project`` scores it on a practice workload, against the engine's scheduler, in a
-process of its own.
+token, on the simulated H100 clock: the same score on every run) on the workloads the grader generates (three
+hidden ones, larger than the practice ones): the score is the share of the engine's scheduler's misses you turn
+into hits, averaged (exercises/project.md); ``python -m exercises.project`` scores it on the practice workloads,
+against the engine's scheduler, in a process of its own, and prints each one's figures.
 
 Ideas to measure, not to trust: admit short prompts first (and how not to starve long ones), cap the chunk of
 a long prefill so decodes keep their pace, preempt the request that has the least work done, give up early on
