@@ -17,6 +17,9 @@ preempts, exercise 7 on a toy pool with no prefix cache), so what only this part
 
 The answer each request must give is the greedy text of generation without any cache
 (``minibatch/sampling/reference.py``): no part of the engine, yours or the reference's, computes it.
+
+Run the tests:  MINIBATCH_STUDENT=ex1,ex6,ex7 python -m pytest tests/exercises -m ex11
+Grade the part:  python -m exercises.grade --parts ex11   (or your_engine)
 """
 import pytest
 
