@@ -7,6 +7,10 @@ temporary directory that holds a full set of student files.
   * the reference behind the student switch (thin files that call minibatch/): every test passes;
   * each mutant in exercises/mutants/<piece>_<bug>.py, in place of that piece's file,
     graded on its part only (-m exN -x): at least one test fails.
+  * each mutant of the integration part (exercises/mutants/your_engine/<piece>_<bug>.py: a file of one piece
+    it needs, the rest the reference) is graded on that part (-m ex11 -x): at least one test fails; one whose
+    docstring says that its own part's tests pass it ("exercise N's own tests pass it") is graded on its part too,
+    and must pass there: the integration part catches what the separate parts cannot.
 A *wrapper* mutant (<piece>_wraps_<what>.py) answers its part by calling another implementation of it that this
 repository has (a batched backend, the tree sampler, a kernel): right here, by design, so it is graded where it
 must fail, in a built student release that cuts or reroutes that implementation (tests/test_release.py,
@@ -23,10 +27,20 @@ import pytest
 
 import exercises
 from exercises import _harness, unwritten
+from exercises.grade import INTEGRATIONS
 
 PKG = Path(exercises.__file__).resolve().parent
 MUTANTS = sorted((PKG / "mutants").glob("*.py"))
 WRAPPERS = [m for m in MUTANTS if "_wraps_" in m.stem]       # graded in a release (tests/test_release.py)
+# The integration part's mutants: exercises/mutants/your_engine/<piece>_<bug>.py, one piece's file wrong.
+ENGINE = INTEGRATIONS["ex11"]
+ENGINE_MUTANTS = sorted((PKG / "mutants" / ENGINE.name_).glob("*.py"))
+PARTS = sorted(exercises.BY_PART) + sorted(INTEGRATIONS)      # every graded part, the integration ones too
+
+
+def own_tests_pass(path: Path) -> bool:
+    """An integration mutant that claims its own part's tests pass it (its docstring's first line says so)."""
+    return "own tests pass it" in (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0]
 # A part without a wrapper mutant, and why: nothing in the release computes it but torch itself, which its graded
 # tests take as the oracle (they cannot tell a Triton launch from ``x + y``).
 NO_WRAPPER = {"triton_warmup": "the puzzles' only other implementation is torch (x + y, softmax, a @ b, table[idx])"}
@@ -96,6 +110,13 @@ def graded(tmp_path_factory):
         p = mutant_piece(m)
         if p is not None and m not in WRAPPERS:
             add(m.stem, p.name, student_files(tmp / m.stem, (p, m)), ["-x", "-m", p.part])
+    for m in ENGINE_MUTANTS:             # only the mutant's piece is the student's: the others are the reference
+        p = mutant_piece(m)
+        if p is not None:
+            d = student_files(tmp / f"engine-{m.stem}", (p, m))
+            add(f"engine-{m.stem}", p.name, d, ["-x", "-m", ENGINE.part])
+            if own_tests_pass(m):
+                add(f"own-{m.stem}", p.name, d, ["-m", p.part])
     rcs = _harness.run(jobs)
     out = {}
     for (name, junit), rc, job in zip(names, rcs, jobs):
@@ -135,15 +156,19 @@ def test_every_graded_test_carries_its_parts_marker(graded):
     assert rc == 0 and collected, "the collection of tests/exercises failed"
     parts = collected[-1]["parts"]
     from exercises.grade import unavailable          # parts this machine cannot grade (no Triton) collect nothing
-    assert {p for p in parts.values()} == {p for p in exercises.BY_PART if not unavailable(p)}, parts
+    assert {p for p in parts.values()} == {p for p in PARTS if not unavailable(p)}, parts
     for nodeid, part in parts.items():
         assert f"/test_{part}_" in nodeid, f"{nodeid}: marker {part!r} (want exactly one, the file's part)"
 
 
-@pytest.mark.parametrize("part", sorted(exercises.BY_PART))
+@pytest.mark.parametrize("part", PARTS)
 def test_untouched_stubs_fail_every_graded_test(graded, part):
-    p = exercises.BY_PART[part]
-    if not untouched(p):
+    p = exercises.BY_PART.get(part)
+    if part in INTEGRATIONS:                        # the stubs of the parts it needs
+        stubs = [exercises.piece(n) for n in INTEGRATIONS[part].needs if untouched(exercises.piece(n))]
+        if len(stubs) < len(INTEGRATIONS[part].needs):
+            pytest.skip(f"a part {part} needs is no longer the shipped stub (work in progress?)")
+    elif not untouched(p):
         pytest.skip(f"exercises/{p.stem}.py is no longer the shipped stub (work in progress?); "
                     f"this check runs on a clean checkout")
     rc, results, log = graded["stubs"]
@@ -158,7 +183,7 @@ def test_reference_passes_every_graded_test(graded):
     rc, results, log = graded["reference"]
     bad = [(r.part, r.name, r.output[:500]) for r in results if r.outcome != "passed"]
     assert rc == 0 and results and not bad, f"{bad}\n{log[-3000:]}"
-    assert {r.part for r in results} == set(exercises.BY_PART)
+    assert {r.part for r in results} == set(PARTS)
     assert len(results) == len(graded["stubs"][1]), "the stub and reference sessions collected different tests"
 
 
@@ -179,6 +204,37 @@ def test_mutant_fails_a_graded_test(graded, mutant):
     assert rc == 1 and failed, f"{mutant} passed every {part} test it ran (exit {rc}):\n{log[-3000:]}"
     assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError", "ModuleNotFoundError")), \
         f"{mutant} failed to load, not for its bug:\n{failed[0].output[:2000]}"
+
+
+def test_the_integration_part_has_mutants_and_one_only_it_catches():
+    """ex11 grades exercises 1, 6 and 7 together: a mutant in each of their files, and at least one that the
+    separate part's own tests pass (what the integration part adds)."""
+    pieces = {mutant_piece(m) for m in ENGINE_MUTANTS}
+    assert None not in pieces and {p.name for p in pieces} == set(ENGINE.needs), \
+        f"exercises/mutants/{ENGINE.name_}/: want <piece>_<bug>.py for each of {ENGINE.needs}"
+    assert any(own_tests_pass(m) for m in ENGINE_MUTANTS), "no ex11 mutant that its own part's tests pass"
+    for m in ENGINE_MUTANTS:
+        p = mutant_piece(m)
+        doc = ast.get_docstring(ast.parse(m.read_text())) or ""
+        assert doc.startswith(f"Mutant (exercise {ENGINE.part[2:]}, in exercise {p.part[2:]}'s file"), doc
+        assert any(isinstance(n, ast.ClassDef if p.func[0].isupper() else ast.FunctionDef) and n.name == p.func
+                   for n in ast.parse(m.read_text()).body), f"no {p.func} in {m}"
+
+
+@pytest.mark.parametrize("mutant", [m.stem for m in ENGINE_MUTANTS])
+def test_an_integration_mutant_fails_the_integration_part(graded, mutant):
+    rc, results, log = graded[f"engine-{mutant}"]
+    failed = [r for r in results if r.outcome == "failed" and r.part == ENGINE.part]
+    assert rc == 1 and failed, f"{mutant} passed every {ENGINE.part} test it ran (exit {rc}):\n{log[-3000:]}"
+    assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError", "ModuleNotFoundError",
+                                                            "NotImplementedError")), \
+        f"{mutant} failed to load (or ran a stub), not for its bug:\n{failed[0].output[:2000]}"
+    path = PKG / "mutants" / ENGINE.name_ / f"{mutant}.py"
+    if own_tests_pass(path):                        # and its own part's tests do pass it, as it says
+        rc, results, log = graded[f"own-{mutant}"]
+        part = mutant_piece(path).part
+        assert rc == 0 and any(r.part == part for r in results), \
+            f"{mutant} says {part}'s own tests pass it, but they do not (exit {rc}):\n{log[-3000:]}"
 
 
 # -- the switch ------------------------------------------------------------------------------------------
