@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
-    p.add_argument("--attention-backend", default="batched", help="batched (fast), loop (the teaching version) or triton")
+    p.add_argument("--attention-backend", default=None,
+                   help="cpu, batched, loop (the teaching version) or triton (default: cpu on a CPU where it builds, "
+                        "batched on a GPU)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--max-pending-requests", type=int, default=256,
