@@ -24,6 +24,15 @@ def test_bench_batching_prints_both_runs_and_identical_outputs(capsys):
                      r"critical path \d+\.\d\dx", out)
 
 
+def test_bench_batching_compares_the_llama_with_the_gpt_target(capsys):
+    bench.main(["batching", "--model", "target,llama", "--num-requests", "4", "--max-num-seqs", "2", "--repeats", "2"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^  (\w+) +(GPT|Llama) +[\d,]+ params, (\d) q / (\d) kv heads: +\d+ tok/s \(\d+-\d+\)  "
+                      r"(\d+\.\d\d)x \((\d+\.\d\d)-(\d+\.\d\d)\)$", out, re.M)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("target", "GPT", "4", "4"), ("llama", "Llama", "4", "2")]
+    assert rows[0][4:] == ("1.00", "1.00", "1.00")                 # the base against itself
+
+
 def test_bench_speculative_prints_one_row_per_method_and_k(capsys):
     bench.main(["speculative", "--methods", "draft,ngram,medusa", "--ks", "1,2", "--batch-sizes", "1",
                 "--max-tokens", "8", "--repeats", "1"])

@@ -79,7 +79,36 @@ def _run_simulated(model, workload, temperature=0.0, **engine_kwargs):
     return summarize(metrics, rec.traces, clock="simulated", arrivals=arrivals), rec.traces, outs
 
 
+def bench_models(args, names: list) -> None:
+    """Two (or more) shipped models on the same workload, continuous batching, alternating rounds: the Llama
+    against the GPT target at the same width (issue 34: its throughput within 10 %)."""
+    models = {n: load_model(n, device=args.device) for n in names}
+    wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival=args.arrival,
+                       rate=args.rate, **({"prompt_len": args.prompt_len} if args.prompt_len else {}))
+    print(describe(wl))
+    common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, attention_backend=args.backend)
+    for m in models.values():
+        run_workload(m, wl[:4], **common)                                           # warm-up
+    tps = {n: [] for n in names}
+    for _ in range(args.repeats):                   # alternating: a slow spell of a shared machine hits every side
+        for n, m in models.items():
+            summary, _, _ = run_workload(m, wl, **common)
+            tps[n].append(summary["output_tokens_per_s"])
+    base = names[0]
+    print(f"continuous batching, output tokens/s, best of {args.repeats} alternating rounds (min-max); "
+          f"ratio of bests to {base} (per-round range)")
+    for n, m in models.items():
+        c = m.config
+        rounds = [a / b for a, b in zip(tps[n], tps[base])]
+        print(f"  {n:8s} {type(m).__name__:5s} {m.num_params():>10,} params, {c.n_head} q / {c.num_kv_heads} kv heads: "
+              f"{max(tps[n]):7.0f} tok/s ({min(tps[n]):.0f}-{max(tps[n]):.0f})  {max(tps[n]) / max(tps[base]):.2f}x "
+              f"({min(rounds):.2f}-{max(rounds):.2f})")
+
+
 def bench_batching(args) -> None:
+    if "," in args.model:
+        return bench_models(args, args.model.split(","))
     model = load_model(args.model, device=args.device)
     wl = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, arrival=args.arrival,
                        rate=args.rate, **({"prompt_len": args.prompt_len} if args.prompt_len else {}))
@@ -174,7 +203,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["batching", "speculative", *OTHERS])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--model", default="target", help="batching: the shipped model served (target, llama)")
+    ap.add_argument("--model", default="target", help="batching: the shipped model served (target, llama); "
+                                                      "target,llama: both, alternating, continuous batching")
     ap.add_argument("--workload", default="longtail")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--arrival", default="offline")
