@@ -27,7 +27,7 @@ import pytest
 
 import exercises
 from exercises import _harness, unwritten
-from exercises.grade import INTEGRATIONS
+from exercises.grade import INTEGRATIONS, unavailable
 
 PKG = Path(exercises.__file__).resolve().parent
 MUTANTS = sorted((PKG / "mutants").glob("*.py"))
@@ -155,7 +155,7 @@ def test_every_graded_test_carries_its_parts_marker(graded):
     rc, collected, _ = graded["collect"]
     assert rc == 0 and collected, "the collection of tests/exercises failed"
     parts = collected[-1]["parts"]
-    from exercises.grade import unavailable          # parts this machine cannot grade (no Triton) collect nothing
+    # parts this machine cannot grade (no Triton) collect nothing
     assert {p for p in parts.values()} == {p for p in PARTS if not unavailable(p)}, parts
     for nodeid, part in parts.items():
         assert f"/test_{part}_" in nodeid, f"{nodeid}: marker {part!r} (want exactly one, the file's part)"
@@ -163,6 +163,8 @@ def test_every_graded_test_carries_its_parts_marker(graded):
 
 @pytest.mark.parametrize("part", PARTS)
 def test_untouched_stubs_fail_every_graded_test(graded, part):
+    if unavailable(part):
+        pytest.skip(f"{part} {unavailable(part)}")
     p = exercises.BY_PART.get(part)
     if part in INTEGRATIONS:                        # the stubs of the parts it needs
         stubs = [exercises.piece(n) for n in INTEGRATIONS[part].needs if untouched(exercises.piece(n))]
@@ -181,9 +183,11 @@ def test_untouched_stubs_fail_every_graded_test(graded, part):
 
 def test_reference_passes_every_graded_test(graded):
     rc, results, log = graded["reference"]
-    bad = [(r.part, r.name, r.output[:500]) for r in results if r.outcome != "passed"]
+    # a part this machine cannot grade (no Triton) has its test file skipped at collection: nothing else may be
+    bad = [(r.part, r.name, r.output[:500]) for r in results if r.outcome != "passed"
+           and not (r.part == "" and any(f"test_{p}_" in r.name for p in PARTS if unavailable(p)))]
     assert rc == 0 and results and not bad, f"{bad}\n{log[-3000:]}"
-    assert {r.part for r in results} == set(PARTS)
+    assert {r.part for r in results if r.part} == {p for p in PARTS if not unavailable(p)}
     assert len(results) == len(graded["stubs"][1]), "the stub and reference sessions collected different tests"
 
 
@@ -198,8 +202,10 @@ def test_every_part_has_a_wrapper_mutant():
 
 @pytest.mark.parametrize("mutant", [m.stem for m in MUTANTS if m not in WRAPPERS])
 def test_mutant_fails_a_graded_test(graded, mutant):
-    rc, results, log = graded[mutant]
     part = mutant_piece(PKG / "mutants" / f"{mutant}.py").part
+    if unavailable(part):
+        pytest.skip(f"{part} {unavailable(part)}")
+    rc, results, log = graded[mutant]
     failed = [r for r in results if r.outcome == "failed" and r.part == part]
     assert rc == 1 and failed, f"{mutant} passed every {part} test it ran (exit {rc}):\n{log[-3000:]}"
     assert not any(e in r.output for r in failed for e in ("SyntaxError", "IndentationError", "ModuleNotFoundError")), \
