@@ -380,7 +380,7 @@ def _notebook_runner():
     spec = importlib.util.spec_from_file_location("_notebooks_runner", ROOT / "tests" / "test_notebooks.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.RUNNER, mod.NOTEBOOKS
+    return mod.RUNNER, mod.NOTEBOOKS, mod
 
 
 @pytest.mark.slow
@@ -392,11 +392,14 @@ def test_a_week_one_release_runs_every_notebook(tmp_path):
     info = release.build(out, parts=WEEK_ONE)
     assert info["pieces"] == ["top_k_top_p"]
     assert (out / "minibatch" / "kv" / "block_allocator.py").read_text().count("metaclass=_StudentsClass") == 0
-    runner, notebooks = _notebook_runner()
+    runner, notebooks, nbs = _notebook_runner()
     skipped = {}
     for name in notebooks:
         p = subprocess.run([sys.executable, "-c", runner, name], cwd=out / "notebooks", capture_output=True, text=True,
                            timeout=240, env=env(out, MPLBACKEND="Agg", TRITON_INTERPRET="1"))
+        if nbs.needs_triton(name) and not nbs._has_triton():       # a laptop: 05 stops at once, saying why
+            assert p.returncode != 0 and "needs Triton, which installs on Linux only" in p.stderr, p.stderr[-3000:]
+            continue
         assert p.returncode == 0, f"{name} failed in the week-1 release:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
         skipped[name] = [line for line in p.stdout.splitlines() if "[skipped" in line]
     says = [line for lines in skipped.values() for line in lines if "exercise 3" in line]
