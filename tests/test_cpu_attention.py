@@ -191,6 +191,27 @@ def test_bad_inputs_raise_clear_errors(op):
         op(x["q"], x["kc"], x["vc"], x["bt"].long(), x["sl"], x["qsl"], 0.1, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cpp_store_writes_what_the_torch_store_writes(op, dtype):
+    """store_kv_cpu (the "cpu" backend's store) against store_kv_torch: the same slots written, slot -1 skipped
+    (a padding row), every other slot untouched; and a slot past the cache is an error, not a stray write."""
+    g = torch.Generator().manual_seed(3)
+    N, bs, Hkv, D, T = 6, 4, 2, 8, 9
+    key, value = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([5, -1, 0, 23, 7, -1, 12, 1, 18])                       # distinct; two padding rows
+    caches = [[torch.randn(N, bs, Hkv, D, generator=torch.Generator().manual_seed(4)).to(dtype) for _ in range(2)]
+              for _ in range(2)]
+    backends.store_kv_torch(key, value, *caches[0], slots)
+    cpu_attention.store(key, value, *caches[1], slots)
+    for a, b in zip(*caches):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[1][0].view(-1, Hkv, D)[23], key[3])                  # the last slot of the last block
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_attention.store(key[:1], value[:1], *caches[1], torch.tensor([N * bs]))
+    torch.library.opcheck(torch.ops.minibatch.store_kv_cpu, (key, value, *caches[1], slots),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
 def test_the_fake_implementation_lets_torch_compile_trace_it(op):
     """torch.library's own checks (schema, fake tensor, autograd registration), then a fullgraph compile."""
     x = make_step("mixed", 4, 2, 8)

@@ -57,6 +57,37 @@ def test_replay_without_capture_equals_the_plain_path_on_triton(target_model):
     assert graph == plain and calls and max(calls) == 3
 
 
+@pytest.mark.parametrize("name", ["target", "llama"])
+def test_the_compiled_decode_step_equals_the_plain_path(name):
+    """cuda_graph_mode="compile" (the CPU's counterpart of capture): the padded decode forward, compiled once at
+    start-up (fullgraph: a graph break is an error, not a silent fallback), equals the plain path token for token,
+    greedy and seeded, with a batch of 3 padded to 4 (a padding row stores nowhere and reads nothing) shrinking
+    as sequences finish; the GPT and the Llama (RoPE, GQA)."""
+    from minibatch.kv import cpu_attention
+    if cpu_attention.load() is None:
+        pytest.skip("the 'cpu' backend's operator cannot be built here")
+    from minibatch.model.weights import load_model
+    model = load_model(name)
+    llm = LLM(model, max_num_batched_tokens=2048, cuda_graph_mode="compile", cuda_graph_sizes=[4])
+    runner, calls = llm.llm_engine.model_runner.graphs, []
+    assert runner.compiled is not None and llm.llm_engine.config.attention_backend == "cpu"
+    run = runner.run
+    runner.run = lambda *a: calls.append(len(a[0])) or run(*a)
+    for seeded in (False, True):
+        prompts, params = workload(3, seeded)
+        plain, _ = generate(model, prompts, params)
+        compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert compiled == plain, f"seeded={seeded}"
+    assert calls and max(calls) == 3 and min(calls) < 3, "decode steps went through the compiled step, shrinking"
+
+
+def test_compile_needs_the_cpu_backend(target_model):
+    with pytest.raises(ValueError, match="compile' needs the attention backend 'cpu'"):
+        LLM(target_model, attention_backend="batched", cuda_graph_mode="compile")
+    with pytest.raises(ValueError, match="turns CUDA graphs off"):
+        EngineConfig(enforce_eager=True, cuda_graph_mode="compile")
+
+
 def test_the_graph_path_applies_controls_grammars_and_logprobs(target_model):
     """A replayed decode step goes through the same processing as an eager one: the requests' sampling controls,
     a grammar's mask, and the logprobs they ask for (the graph path once skipped them, silently)."""

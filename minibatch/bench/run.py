@@ -10,6 +10,7 @@
     python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
     python -m minibatch.bench disagg       colocated vs disaggregated prefill/decode: TTFT and TPOT under load
+    python -m minibatch.bench profile      where a full-batch decode step's time goes, per attention backend
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -185,7 +186,7 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
           "peers": "minibatch.bench.peers", "vllm": "minibatch.bench.vllm_peer", "online": "minibatch.bench.online",
           "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
-          "gpu-check": "minibatch.bench.gpu_check"}
+          "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile"}
 
 
 def main(argv=None):

@@ -41,10 +41,11 @@ class EngineConfig:
     disaggregated: bool = False                # a prefill instance and a decode instance behind a router
     # CUDA graphs for pure-decode steps (engine/cuda_graphs.py), vLLM's switch and names. On CUDA they are on
     # unless enforce_eager=True; on the CPU there is nothing to capture. cuda_graph_mode="eager-replay" runs
-    # the graphs' padded fixed buffers eagerly (any device: how CI checks the graph path); cuda_graph_sizes
+    # the graphs' padded fixed buffers eagerly (any device: how CI checks the graph path); "compile" (CPU, the
+    # "cpu" attention backend) torch.compiles that padded forward once per size at start-up; cuda_graph_sizes
     # None = 1, 2, 4, 8, 16, 32, ... up to max_num_seqs.
     enforce_eager: bool = False
-    cuda_graph_mode: str = "auto"              # or "eager-replay"
+    cuda_graph_mode: str = "auto"              # or "eager-replay", "compile"
     cuda_graph_sizes: Optional[list] = None
     num_threads: Optional[int] = None          # CPU threads; None: from the model's size (engine/threads.py)
 

@@ -22,6 +22,14 @@ nothing on the CPU, where there is nothing to capture; "eager-replay" runs the v
 fixed-shape forward eagerly, with no capture, on any device: it is how CI, with no GPU, holds the graph path
 token for token equal to the plain one (tests/test_cuda_graphs.py).
 
+"compile" is the CPU's counterpart of capturing (vLLM's CPU runner compiles its model the same way): the same
+padded forward, ``torch.compile``d (Inductor, ``fullgraph``, fixed shapes) once per size at start-up, largest
+first, then called with the buffers rewritten. It needs the "cpu" attention backend, whose store and attention
+are ``torch.library`` operators that Inductor calls as they are; "batched"'s store writes the cache with
+``index_copy_`` on a view, which a compiled graph turns into a copy of the whole cache every layer (measured:
+70 tokens/s against 2,800). What it buys, and why it is not the default on the CPU, is in minibatch/kv/README.md
+("A compiled decode step"): each size takes seconds to compile on a laptop, for a step a few per cent faster.
+
 On a machine with a GPU, run (about two minutes): the `gpu` tests, then a batch-16 decode step with graphs
 against eager in the same process (alternating, best of several; minibatch/kv/README.md's "On a GPU" wants its figures):
 
@@ -36,7 +44,8 @@ import torch
 from minibatch.engine.input_batch import DecodeBuffers
 from minibatch.kv.attention import GRAPH_SAFE_BACKENDS, PagedAttention
 
-MODES = ("auto", "eager-replay")
+MODES = ("auto", "eager-replay", "compile")
+COMPILE_BACKENDS = ("cpu",)          # whose store and attention are operators Inductor calls as they are
 
 
 def capture_sizes(max_num_seqs: int) -> list:
@@ -49,7 +58,19 @@ def make_graph_runner(config, model, kv_cache, needs_hidden: bool) -> Optional["
     clear error here, at construction."""
     c, device = config, model.device
     safe = c.attention_backend in GRAPH_SAFE_BACKENDS
-    if c.cuda_graph_mode == "eager-replay":
+    compile_ = c.cuda_graph_mode == "compile"
+    if compile_:
+        if c.attention_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"cuda_graph_mode='compile' needs the attention backend 'cpu' (its store and attention "
+                             f"are operators a compiled graph calls in place); got {c.attention_backend!r}")
+        if device.type != "cpu":
+            raise ValueError(f"cuda_graph_mode='compile' is the CPU's counterpart of CUDA graphs; this engine runs "
+                             f"on {device}, where 'auto' captures graphs")
+        if c.tensor_parallel_size > 1:
+            raise ValueError("cuda_graph_mode='compile' runs one process's forward; with tensor_parallel_size > 1 "
+                             "each forward is broadcast to the workers: leave cuda_graph_mode='auto'")
+        capture = False
+    elif c.cuda_graph_mode == "eager-replay":
         if not safe:
             raise ValueError(f"cuda_graph_mode='eager-replay' needs a graph-safe attention backend, one of "
                              f"{list(GRAPH_SAFE_BACKENDS)}; got {c.attention_backend!r}")
@@ -71,21 +92,25 @@ def make_graph_runner(config, model, kv_cache, needs_hidden: bool) -> Optional["
     if needs_hidden:                   # a proposer reads hidden states at every step (Medusa, EAGLE): eager
         return None
     sizes = list(c.cuda_graph_sizes) if c.cuda_graph_sizes is not None else capture_sizes(c.max_num_seqs)
-    return CUDAGraphRunner(model, kv_cache, c.attention_backend, sizes, capture)
+    return CUDAGraphRunner(model, kv_cache, c.attention_backend, sizes, capture, compile_)
 
 
 class CUDAGraphRunner:
-    """Runs a pure-decode step through fixed buffers: replaying its captured graph, or (``capture=False``) the
-    same padded forward eagerly. ``run(tokens, tables, computed) -> logits [B, V]``."""
+    """Runs a pure-decode step through fixed buffers: replaying its captured graph, calling its compiled forward
+    (``compile=True``, on the CPU), or (neither) the same padded forward eagerly.
+    ``run(tokens, tables, computed) -> logits [B, V]``."""
 
-    def __init__(self, model, kv_cache, backend: str, sizes: list, capture: bool):
+    def __init__(self, model, kv_cache, backend: str, sizes: list, capture: bool, compile: bool = False):
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes, self.capture = sorted(sizes), capture
         self.buffers = DecodeBuffers(self.sizes[-1], model.config.n_ctx, kv_cache.block_size, model.device)
         self.graphs: dict = {}                 # padded size -> torch.cuda.CUDAGraph
         self.logits: dict = {}                 # padded size -> its output buffer [P, V], rewritten by each replay
+        self.compiled = None                   # compile: torch.compile(self._forward), one graph per padded size
         if capture:
             self._capture()
+        if compile:
+            self._compile()
 
     def padded_size(self, batch: int) -> Optional[int]:
         """The smallest captured size >= batch, or None (the batch runs eagerly)."""
@@ -113,6 +138,20 @@ class CUDAGraphRunner:
             self.graphs[P] = g
         torch.cuda.synchronize()
 
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        # Traced once per size here, at start-up, as graphs are captured: row 0 writes slot 0 before any request
+        # owns a block. dynamic=False: each size its own graph, fixed shapes as a captured graph's; the padded size
+        # is a Python int, so each size is one guarded entry (the cache limit is raised to hold them all).
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes))
+        self.buffers.fill([0], [[0]], [0], self.sizes[0])
+        self._forward(self.sizes[0])                        # eager warm-up first: lazy inits (the C++ build)
+        self.compiled = torch.compile(self._forward, dynamic=False, fullgraph=True)
+        for P in reversed(self.sizes):
+            self.buffers.fill([0], [[0]], [0], P)
+            self.compiled(P)
+
     def run(self, tokens: list, tables: list, computed: list) -> torch.Tensor:
         """One decode row per sequence b: token tokens[b] at position computed[b], block table tables[b]."""
         B = len(tokens)
@@ -123,4 +162,4 @@ class CUDAGraphRunner:
         if self.capture:
             self.graphs[P].replay()
             return self.logits[P][:B]
-        return self._forward(P)[:B]
+        return (self.compiled or self._forward)(P)[:B]

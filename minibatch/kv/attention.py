@@ -57,8 +57,9 @@ def check_backend(name) -> str:
 
 def default_backend(device, cuda_graph_mode: str = "auto") -> str:
     """What ``attention_backend=None`` means, as vLLM picks its backend from the platform: on a CPU the C++
-    operator "cpu" where it builds (where not, it says why once and this gives "batched"), except under
-    cuda_graph_mode="eager-replay", whose static batch needs a graph-safe backend; "batched" on a GPU."""
+    operator "cpu" where it builds (where not, it says why once and this gives "batched"; cuda_graph_mode=
+    "compile" then stops, saying it needs "cpu"), except under cuda_graph_mode="eager-replay", whose static
+    batch needs a graph-safe backend; "batched" on a GPU."""
     if torch.device(device).type == "cpu" and cuda_graph_mode != "eager-replay":
         return "cpu" if cpu_attention.load() is not None else "batched"
     return "batched"

@@ -336,7 +336,7 @@ def get(backend: str, checked: bool = False):
         elif checked:
             return store_kv_torch, _checked(cpu_attention.paged_attention_cpu)
         else:
-            return _store, _cpu_attend
+            return cpu_attention.store, _cpu_attend
     if backend == "triton":
         try:
             import kernels                        # lazily: the other backends need no Triton

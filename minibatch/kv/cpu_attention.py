@@ -74,6 +74,7 @@ SOURCE = r"""
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -204,14 +205,47 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   return out;
 }
 
+// The store (vLLM's cpu_attn_reshape_and_cache): row t's K and V [Hkv, D] go to slot slot_mapping[t], i.e. block
+// slot / block_size, offset slot % block_size; slot -1 (a padding row) writes nowhere. One copy per row, in place:
+// torch's index_copy_ needs the padding rows masked first, four small operators per layer instead of this loop.
+void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                  const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
+              key_cache.sizes() == value_cache.sizes() && key.size(1) == key_cache.size(2) &&
+              key.size(2) == key_cache.size(3), "store_kv_cpu: want key, value [T, Hkv, D] and caches "
+              "[num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+              slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0) &&
+              key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "store_kv_cpu: want contiguous caches, an int64 slot_mapping [T] and one dtype");
+  const at::Tensor k = key.contiguous(), v = value.contiguous();
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), bytes = row * k.element_size();
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
+  char *kd = static_cast<char*>(key_cache.data_ptr()), *vd = static_cast<char*>(value_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
+    std::memcpy(kd + slot[t] * bytes, ks + t * bytes, bytes);
+    std::memcpy(vd + slot[t] * bytes, vs + t * bytes, bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minibatch, m) {
   m.def("paged_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? tree_bits=None) -> Tensor");
+  // (a!): the caches are written in place, which torch.compile must know to keep the write (and not copy them)
+  m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(minibatch, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(minibatch, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("store_kv_cpu", &store_kv_cpu);
+}
 """
 
 _OP = None          # torch.ops.minibatch.paged_attention_cpu once built and loaded
@@ -269,16 +303,22 @@ def _build():
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         why = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else type(e).__name__)
         raise Unavailable(f"the build failed ({why[:200]})") from e
-    try:
-        torch.library.register_fake("minibatch::paged_attention_cpu")(_fake)
-    except RuntimeError:                                # registered already (the library was loaded before)
-        pass
+    for op, fake in (("minibatch::paged_attention_cpu", _fake), ("minibatch::store_kv_cpu", _fake_store)):
+        try:
+            torch.library.register_fake(op)(fake)
+        except RuntimeError:                            # registered already (the library was loaded before)
+            pass
     return torch.ops.minibatch.paged_attention_cpu
 
 
 def _fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None):
     """What torch.compile sees: out has the query's shape and dtype (and is contiguous, as the kernel's is)."""
     return query.new_empty(query.shape)
+
+
+def _fake_store(key, value, key_cache, value_cache, slot_mapping):
+    """The store returns nothing; its schema says it writes the caches (``Tensor(a!)``)."""
+    return None
 
 
 def load():
@@ -319,3 +359,10 @@ def attend(query, key_cache, value_cache, md, scale, seq_lens=None):
                          f"on a GPU choose 'triton' or 'batched'")
     return _OP(query, key_cache, value_cache, md.block_tables, md.seq_lens if seq_lens is None else seq_lens,
                md.query_start_loc, scale, md.tree_bits)
+
+
+def store(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The engine's store for "cpu" (vLLM's ``cpu_attn_reshape_and_cache``): key, value [T, Hkv, D] -> their slots,
+    in place, slot -1 skipped; one C++ loop of row copies. The slots were checked by ``AttentionMetadata.build``
+    (``backends.store_kv_torch`` is the checked, public version)."""
+    torch.ops.minibatch.store_kv_cpu(key, value, key_cache, value_cache, slot_mapping)
