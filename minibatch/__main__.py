@@ -25,7 +25,8 @@ def _generate(args) -> int:
         spec = {"method": args.speculative, "num_speculative_tokens": args.k}
     try:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
-                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                  cuda_graph_mode=args.cuda_graph_mode)
         t = time.perf_counter()
         out = llm.generate([args.prompt], params)[0]
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
                    help="the shipped model: target (GPT-2), llama (RoPE, GQA), draft (--preset: the older name)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
+    g.add_argument("--cuda-graph-mode", default="auto", choices=["auto", "eager-replay", "compile"],
+                   help="decode steps: auto (CUDA graphs on a GPU, plain on a CPU), compile (on a CPU: compiled "
+                        "per batch size at start-up), eager-replay (the graphs' buffers, eagerly)")
     g.add_argument("--attention-backend", "--backend", dest="backend", default=None,
                    help="cpu, batched, loop (the teaching version) or triton (vLLM's flag; --backend, the older "
                         "name; default: cpu on a CPU where it builds, batched on a GPU)")

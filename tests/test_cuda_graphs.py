@@ -81,6 +81,33 @@ def test_the_compiled_decode_step_equals_the_plain_path(name):
     assert calls and max(calls) == 3 and min(calls) < 3, "decode steps went through the compiled step, shrinking"
 
 
+def test_the_decode_buffers_keep_block_tables_and_write_what_changed():
+    """The persistent input batch (input_batch.py): a row that still holds a sequence gets only its new blocks
+    written; a row another sequence takes, or whose blocks changed (copy-on-write, preemption), is written whole;
+    after every fill the buffer holds exactly the tables given, -1 past them and in the padding rows."""
+    from minibatch.engine.input_batch import DecodeBuffers
+    buf = DecodeBuffers(4, n_ctx=64, block_size=4, device="cpu")          # width 16
+
+    def fill(tables, ids, padded=4):
+        before = buf.table_writes
+        buf.fill([1] * len(tables), tables, [4 * len(t) - 1 for t in tables], padded, ids)
+        want = torch.full((padded, 16), -1, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            want[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        assert torch.equal(buf.host["block_tables"][:padded], want)
+        return buf.table_writes - before
+
+    assert fill([[3, 4], [7]], ["a", "b"]) == 2 * 16                       # both new: written whole
+    assert fill([[3, 4], [7]], ["a", "b"]) == 0                            # nothing changed
+    assert fill([[3, 4, 9], [7]], ["a", "b"]) == 1                         # a's new block only
+    assert fill([[3, 4, 11], [7]], ["a", "b"]) == 16                       # copy-on-write: a's last block replaced
+    assert fill([[7], [5, 6]], ["b", "c"]) == 2 * 16                       # a left, rows shifted, c joined
+    assert fill([[7], [8, 2]], ["b", "c"]) == 16                           # c preempted, resumed on other blocks
+    assert fill([[7]], ["b"], padded=2) == 0 and buf.held[1] is None       # c left: its row is padding now
+    assert fill([[7], [8, 2]], ["b", "c"]) == 16                           # ... so c's return is written whole
+    assert fill([[7], [8, 2]], None) == 2 * 16                             # without ids: every row, every step
+
+
 def test_compile_needs_the_cpu_backend(target_model):
     with pytest.raises(ValueError, match="compile' needs the attention backend 'cpu'"):
         LLM(target_model, attention_backend="batched", cuda_graph_mode="compile")
@@ -180,17 +207,23 @@ def test_graph_replay_does_not_sync_and_equals_eager_on_cuda(backend):
 
 
 def test_enforce_eager_on_the_command_lines(capsys):
-    """vLLM's --enforce-eager: accepted by generate (same text as without it on a CPU) and by serve's parser."""
+    """vLLM's --enforce-eager, and --cuda-graph-mode: accepted by generate (the same text each way on a CPU, the
+    compiled step included) and by serve's parser; both at once is a clear error."""
     import argparse
 
     from minibatch.__main__ import main
     from minibatch.serve.server import add_arguments, make_llm
+    from minibatch.kv import cpu_attention
     texts = []
-    for extra in ([], ["--enforce-eager"]):
+    modes = [[], ["--enforce-eager"]] + ([["--cuda-graph-mode", "compile"]] if cpu_attention.load() else [])
+    for extra in modes:
         assert main(["generate", "def f(x):", "--max-tokens", "6", "--device", "cpu", *extra]) == 0
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and texts[0]
+    assert all(t == texts[0] for t in texts) and texts[0]
+    assert main(["generate", "def f(x):", "--enforce-eager", "--cuda-graph-mode", "compile"]) == 2   # a clear error
+    assert "turns CUDA graphs off" in capsys.readouterr().err
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--enforce-eager", "--device", "cpu"])
     assert make_llm(args).llm_engine.config.enforce_eager is True
+    assert p.parse_args(["--cuda-graph-mode", "compile"]).cuda_graph_mode == "compile"

@@ -88,3 +88,14 @@ def test_every_bench_sets_it_from_its_command_line(which):
     with pytest.raises(SystemExit):
         bench([which, "--threads", "2", "--no-such-option"])
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("which,module", [("peers", "minibatch.bench.peers"), ("vllm", "minibatch.bench.vllm_peer")])
+def test_the_peer_benches_get_the_thread_count_for_both_sides(which, module, monkeypatch):
+    """`bench vllm --threads 2` once lost its 2 to the front parser and timed one thread a side, saying so."""
+    import importlib
+    from minibatch.bench.peers import parse_args
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda argv: seen.append(parse_args("x", "x", argv)))
+    bench([which, "--threads", "2", "--repeats", "1"])
+    assert seen[0].threads == 2 and seen[0].repeats == 1

@@ -245,6 +245,9 @@ def parse_args(prog: str, description: str, argv, ks=(4, 8)) -> argparse.Namespa
     ap.add_argument("--threads", type=int, default=1, help="CPU threads a side (minibatch's engines, the peer's)")
     ap.add_argument("--attention-backend", default=None,
                     help="minibatch's attention backend (default: the engine's choice, cpu on a CPU)")
+    ap.add_argument("--cuda-graph-mode", default="auto",
+                    help="minibatch's decode step: auto (plain on a CPU), compile (torch.compiled per batch size at "
+                         "each engine's start, untimed, as vLLM's CPU runner does)")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
@@ -268,7 +271,8 @@ def main(argv=None) -> int:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)   # e.g. "no psutil" on CPU
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)                 # as many threads each side: both run in this process
-    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend)
+    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend,
+                     cuda_graph_mode=args.cuda_graph_mode)
     try:
         with torch.no_grad():
             return _run(args, transformers.__version__)

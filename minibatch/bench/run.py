@@ -189,6 +189,9 @@ OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_ef
           "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile"}
 
 
+PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)
+
+
 def main(argv=None):
     import importlib
     import sys
@@ -199,6 +202,8 @@ def main(argv=None):
     known, argv = pre.parse_known_args(argv)
     threads.use_cli(known.threads)
     if argv and argv[0] in OTHERS:
+        if argv[0] in PEERS and known.threads is not None:   # theirs sets both sides' threads: hand it on
+            argv += ["--threads", str(known.threads)]
         importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

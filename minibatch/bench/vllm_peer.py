@@ -2,7 +2,7 @@
 
     python -m minibatch.bench.vllm_peer setup        make (or reuse) vLLM's venv (minibatch/bench/vllm_venv.py)
     python -m minibatch.bench vllm [--num-requests 32 --max-num-seqs 16 --max-tokens 128 --ks 4 --repeats 3
-                                    --threads 1 --attention-backend cpu]
+                                    --threads 1 --attention-backend cpu --cuda-graph-mode compile]
 
 The target (and the draft) are exported with ``minibatch.export`` to a temporary GPT2LMHeadModel directory;
 vLLM runs it in its venv's python (``vllm_worker.py``), in one process that holds one ``LLM`` per row,
@@ -18,25 +18,27 @@ vLLM's CPU worker binds its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=auto``: 
 thread, one kept for the front end; with N > 1, cores 0..N-1). ``--attention-backend`` picks minibatch's.
 vLLM runs three processes (front end, engine core, worker), so on a busy 2-core machine the spread is wide.
 
-What vLLM does on this CPU that minibatch does not (read in the venv's vllm 0.32.0 source):
-  - torch.compile: ``compilation_config`` mode DYNAMO_TRACE_ONCE with the Inductor backend, one graph for
-    every batch size (dynamic shapes, ``compile_ranges_endpoints`` [4096]); warmed up by a profile run
-    (``v1/worker/cpu_model_runner.py: warming_up_model``) and cached on disk (``~/.cache/vllm/torch_compile_cache``).
-    Inductor fuses each block's LayerNorm, GELU and residual adds into C++ loops between the matmuls.
-  - its C++ attention: ``v1/attention/backends/cpu_attn.py`` calls ``torch.ops._C`` kernels
-    (``cpu_attention_with_kv_cache``, ``cpu_attn_reshape_and_cache``) over a paged cache in its own layout,
-    where minibatch gathers K/V with index_select and calls SDPA (``kv/backends.py``).
-  - its GEMMs: a oneDNN matmul primitive made once per linear layer, weight prepacked
-    (``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``, ``ops.create_onednn_mm``), where
-    minibatch calls ``F.linear`` on the weight as it is.
-  - a separate engine-core process (``v1/engine/core_client.py``, ``MPClient``): scheduling, and the
-    worker's forward, overlap with the front end's input and output handling, over ZMQ.
-  - input preparation on persistent CPU buffers (``v1/worker/gpu_input_batch.py``'s ``InputBatch``, numpy
-    views of pinned tensors, updated in place per step), where minibatch builds fresh tensors each step.
-  - the n-gram proposer is numba-compiled (``v1/spec_decode/ngram_proposer.py``, ``@njit``).
+How each side runs on this CPU (read in the venv's vllm 0.32.0 source), and where minibatch now does the same:
+  - torch.compile: vLLM compiles its model once (``compilation_config`` mode DYNAMO_TRACE_ONCE, Inductor, one
+    graph for every batch size, dynamic shapes), warmed up at start-up and cached on disk. minibatch compiles its
+    padded decode step per batch size with ``--cuda-graph-mode compile`` (``engine/cuda_graphs.py``); plain by
+    default (the start-up cost: minibatch/kv/README.md, "On a CPU").
+  - attention: vLLM's C++ kernels (``cpu_attention_with_kv_cache``, ``cpu_attn_reshape_and_cache``) read and write
+    its paged cache in place; so do minibatch's "cpu" backend's (``kv/cpu_attention.py``), the default on a CPU.
+  - GEMMs: vLLM makes a oneDNN matmul per linear layer with the weight prepacked
+    (``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``); minibatch calls ``F.linear`` (a transposed
+    copy of each weight was tried: minibatch/kv/README.md says why it was not kept).
+  - the engine core: vLLM's runs in a process of its own (``v1/engine/core_client.py``, ``MPClient``), in the
+    offline ``LLM`` too; minibatch's does for ``serve`` (``--engine-core process``), while ``LLM`` steps in-process.
+  - input preparation: vLLM's ``InputBatch`` keeps running requests' tokens and block tables in preallocated
+    arrays; minibatch's compiled (and CUDA-graph) decode steps keep their block tables the same way
+    (``engine/input_batch.py``), its plain steps build their tensors from lists.
+  - the n-gram proposer is numba-compiled in vLLM (``v1/spec_decode/ngram_proposer.py``, ``@njit``).
+A vLLM worker spins on its shared-memory queue for a second after its last message before it sleeps
+(``distributed/device_communicators/shm_broadcast.py``, ``busy_loop_s=1``): with one thread a side it spins on
+the other core; with two, the first second of minibatch's next timed run shares its cores with it.
 
-Where minibatch's decode step goes (torch.profiler, 16 decode rows of ~100-token contexts, 1 thread, machine
-busy with other jobs): see minibatch/bench/README.md, "vLLM as the peer".
+Where minibatch's decode step goes: ``python -m minibatch.bench profile`` (minibatch/kv/README.md, "On a CPU").
 """
 from __future__ import annotations
 
@@ -190,14 +192,16 @@ def main(argv=None) -> int:
     target = load_model("target", device="cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend)
+    MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend,
+                     cuda_graph_mode=args.cuda_graph_mode)
     with tempfile.TemporaryDirectory(prefix="minibatch-export-") as tmp, torch.no_grad():
         model_dir = export_hf(target, pathlib.Path(tmp) / "target")
         draft_dir = export_hf(load_model("draft", device="cpu"), pathlib.Path(tmp) / "draft")
         with VLLMPeer(model_dir, threads=args.threads) as peer:
             print(f"vLLM {peer.version} (its venv: {vllm_venv.vllm_python()}) against minibatch, torch "
                   f"{torch.__version__}, CPU, {args.threads} thread(s) a side, minibatch's attention backend "
-                  f"{args.attention_backend or 'the default (cpu on a CPU)'}.\ncontinuous: "
+                  f"{args.attention_backend or 'the default (cpu on a CPU)'}, decode step "
+                  f"{'compiled per batch size (cuda_graph_mode=compile)' if args.cuda_graph_mode == 'compile' else 'plain'}.\ncontinuous: "
                   f"{describe(make_workload('longtail', num_requests=args.num_requests, seed=args.seed))}\n"
                   f"batch-1 rows: {args.num_prompts} prompts x {args.max_tokens} tokens, greedy; best of "
                   f"{args.repeats} alternating runs (min-max); mb/vLLM = ratio of bests (range over rounds)")

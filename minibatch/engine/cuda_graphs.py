@@ -152,13 +152,14 @@ class CUDAGraphRunner:
             self.buffers.fill([0], [[0]], [0], P)
             self.compiled(P)
 
-    def run(self, tokens: list, tables: list, computed: list) -> torch.Tensor:
-        """One decode row per sequence b: token tokens[b] at position computed[b], block table tables[b]."""
+    def run(self, tokens: list, tables: list, computed: list, seq_ids=None) -> torch.Tensor:
+        """One decode row per sequence b: token tokens[b] at position computed[b], block table tables[b]
+        (seq_ids[b]: which sequence, so that a row keeps its block table written from one step to the next)."""
         B = len(tokens)
         P = self.padded_size(B)
         if P is None:
             raise ValueError(f"a decode batch of {B} is over the largest captured size {self.sizes[-1]}")
-        self.buffers.fill(tokens, tables, computed, P)
+        self.buffers.fill(tokens, tables, computed, P, seq_ids)
         if self.capture:
             self.graphs[P].replay()
             return self.logits[P][:B]

@@ -137,7 +137,7 @@ class ModelRunner:
         computed = [s.num_computed_before for s in scheduled]
         self._check_context(computed, [1] * len(scheduled))
         logits = self.graphs.run([s.input_token_ids[0] for s in scheduled], [s.block_table for s in scheduled],
-                                 computed)
+                                 computed, [s.seq.seq_id for s in scheduled])
         rows = [[b] if s.samples else [] for b, s in enumerate(scheduled)]
         logits = self._process(logits, scheduled, rows)
         sampled, accepted, forked, paths = self._sample(scheduled, logits, rows)

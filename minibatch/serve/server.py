@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the engine core dies, keep answering 503 instead of exiting")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
+    p.add_argument("--cuda-graph-mode", default="auto", choices=["auto", "eager-replay", "compile"],
+                   help="decode steps: auto (CUDA graphs on a GPU, plain on a CPU), compile (on a CPU: compiled per "
+                        "batch size at start-up, engine/cuda_graphs.py), eager-replay (the graphs' buffers, eagerly)")
     from minibatch.engine import threads
     threads.add_argument(p)
 
@@ -80,7 +83,8 @@ def make_llm(args):
                enable_prefix_caching=args.enable_prefix_caching, scheduling=args.scheduling,
                attention_backend=args.attention_backend, speculative_config=spec,
                tensor_parallel_size=args.tensor_parallel_size, disaggregated=args.disaggregated,
-               enforce_eager=getattr(args, "enforce_eager", False))
+               enforce_eager=getattr(args, "enforce_eager", False),
+               cuda_graph_mode=getattr(args, "cuda_graph_mode", "auto"))
 
 
 def make_llm_in_core(args):
