@@ -80,3 +80,23 @@ def test_bench_trees_prints_a_chain_then_its_trees_per_method(capsys):
         assert 1.0 <= tau <= 5 and nodes >= 2 and over_chain > 0
         if r[3] == "chain":
             assert over_chain == 1.0 and nodes <= 4
+
+
+def test_bench_profile_splits_a_decode_step_into_its_rows(capsys):
+    """`bench profile`: one column per backend, every row printed, the shares of a column summing to the step; the
+    "batched" column's time includes a gather, the "cpu" column's the C++ operator (when it builds) and no SDPA."""
+    from minibatch.bench import step_profile
+    from minibatch.kv import cpu_attention
+    cols = "batched,cpu" if cpu_attention.load() is not None else "batched"
+    assert step_profile.main(["--attention-backend", cols, "--max-num-seqs", "3", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:54].strip(): [float(x.rstrip("%")) for x in line[54:].split()]
+            for line in out.splitlines()[2:] if line[:54].strip()}
+    assert {name for name, _ in step_profile.ROWS} <= set(rows) and step_profile.PYTHON in rows
+    parts = [v for k, v in rows.items() if not k.startswith(("step", "("))]
+    for c in range(len(cols.split(","))):
+        total = sum(v[2 * c] for v in parts)
+        assert abs(total - rows["step, profiled (wall)"][c]) <= 0.02 + 0.01 * total    # the rows add up to the step
+    assert rows["K/V gather (index_select of the context)"][0] > 0 and rows["SDPA"][0] > 0
+    if "," in cols:
+        assert rows["attention: C++ operator, blocks read in place"][2] > 0 and rows["SDPA"][2] == 0
