@@ -28,7 +28,8 @@ first, then called with the buffers rewritten. It needs the "cpu" attention back
 are ``torch.library`` operators that Inductor calls as they are; "batched"'s store writes the cache with
 ``index_copy_`` on a view, which a compiled graph turns into a copy of the whole cache every layer (measured:
 70 tokens/s against 2,800). What it buys, and why it is not the default on the CPU, is in minibatch/kv/README.md
-("A compiled decode step"): each size takes seconds to compile on a laptop, for a step a few per cent faster.
+("On a CPU: where a decode step goes"): each size takes seconds to compile on a laptop, for a full-batch step
+about 5 % faster (at batch 1, where Python is most of a step, far more).
 
 On a machine with a GPU, run (about two minutes): the `gpu` tests, then a batch-16 decode step with graphs
 against eager in the same process (alternating, best of several; minibatch/kv/README.md's "On a GPU" wants its figures):

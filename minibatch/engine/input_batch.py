@@ -77,7 +77,8 @@ class DecodeBuffers:
         for b, table in enumerate(tables):
             held = self.held[b]
             n = len(held[1]) if held is not None else 0
-            if held is not None and seq_ids is not None and held[0] == seq_ids[b] and len(table) >= n and table[:n] == held[1]:
+            same = held is not None and seq_ids is not None and held[0] == seq_ids[b]
+            if same and len(table) >= n and table[:n] == held[1]:
                 if len(table) > n:                                  # the sequence's new blocks only
                     bt[b, n:len(table)] = torch.tensor(table[n:], dtype=torch.int32)
                     self.table_writes += len(table) - n

@@ -49,6 +49,11 @@ library. The operator is registered with ``torch.library`` as ``minibatch::paged
 implementation (the output's shape and dtype) so that ``torch.compile`` can trace around it. Where there is
 no compiler, no OpenMP or the build fails, ``load()`` says so in one warning and returns None, and
 ``backends.get("cpu")`` hands out "batched" instead.
+
+The same library holds the backend's store, ``minibatch::store_kv_cpu`` (``store``; vLLM's
+``cpu_attn_reshape_and_cache``): each token's K and V row copied to its slot, -1 skipped, in one loop. Its schema
+marks the caches written (``Tensor(a!)``), so a compiled decode step (``cuda_graph_mode="compile"``) calls it in
+place rather than copying the cache.
 """
 from __future__ import annotations
 
