@@ -83,8 +83,9 @@ def _schema_only(literal: str) -> str:
     m = re.search(r"TORCH_LIBRARY_FRAGMENT\(minibatch, m\) \{.*?\n\}", source, re.S)
     if m is None:
         raise ValueError("minibatch/kv/cpu_attention.py: SOURCE has no TORCH_LIBRARY_FRAGMENT(minibatch, m) { ... }")
-    return repr("// held out of the student release: the operator's schema only; minibatch::paged_attention_cpu is\n"
-                "// computed through your exercises/ex2_paged_attention.py (cpu_attention.attend)\n"
+    return repr("// held out of the student release: the operators' schemas only; minibatch::paged_attention_cpu is\n"
+                "// computed through your exercises/ex2_paged_attention.py (cpu_attention.attend), and the store\n"
+                "// (cpu_attention.store) by the engine's torch store\n"
                 "#include <torch/library.h>\n\n" + m.group(0) + "\n")
 
 
@@ -111,6 +112,9 @@ _PAGED_ATTENTION_ELSEWHERE = (
     ("minibatch.kv.cpu_attention", "attend", "exercises.attention_through(query, key_cache, value_cache, "
                                              "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
                                              "tree_bits=md.tree_bits)"),
+    # the same library's store has a schema and no body there either: the engine's torch store stands in
+    ("minibatch.kv.cpu_attention", "store", "exercises.store_through(key, value, key_cache, value_cache, "
+                                            "slot_mapping)"),
     ("minibatch.bench.attention", "local_paged_reference", _THROUGH_2.format("")),
     ("kernels.paged_attention", "_paged_attention_kernel", None),
     ("kernels.paged_attention", "_launch", "out.copy_(" + _THROUGH_2.format(", tree_bits=tree_bits") + ")"),
@@ -464,6 +468,13 @@ def _only_causal(tree_bits, query_start_loc) -> bool:
     qsl, bits = query_start_loc.tolist(), tree_bits.tolist()
     return all(bits[t] == -1 or bits[t] & ((1 << (t - qsl[b] + 1)) - 1) == (1 << (t - qsl[b] + 1)) - 1
                for b in range(len(qsl) - 1) for t in range(qsl[b], qsl[b + 1]))
+
+
+def store_through(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The "cpu" backend's store in a release whose C++ source is the schemas only (``_schema_only``): the engine's
+    torch store (``backends._store``: the same slots written, -1 skipped)."""
+    from minibatch.kv import backends
+    backends._store(key, value, key_cache, value_cache, slot_mapping)
 
 
 def attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
