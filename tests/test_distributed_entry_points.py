@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -14,7 +15,8 @@ import pytest
 
 from minibatch import LLM, SamplingParams
 from minibatch.serve import ServerThread
-from minibatch.serve.server import add_arguments, make_llm
+from minibatch.engine.core import engine_state, idle_check
+from minibatch.serve.server import add_arguments, make_llm_in_core
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]       # this checkout, whatever an editable install points at
 
@@ -32,25 +34,35 @@ def test_generate_with_tensor_parallel_size_2_prints_the_same_text(target_model)
 
 
 @pytest.mark.serve
-def test_serve_disaggregated_answers_as_colocated(target_model):
+@pytest.mark.parametrize("option", ["--disaggregated", "--tensor-parallel-size=2"])
+def test_serve_answers_as_colocated_with_its_engine_core_in_a_process(target_model, option):
+    """As `python -m minibatch serve` runs them: the engine core in a process of its own (the default), which
+    starts processes of its own (a prefill and a decode instance; two tensor-parallel workers). Same text, whole
+    and streamed, and every block back in the pool(s) once idle."""
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    args = ap.parse_args(["--disaggregated", "--device", "cpu", "--max-num-seqs", "4"])
+    args = ap.parse_args([option, "--device", "cpu", "--max-num-seqs", "4"])
     body = {"model": "target", "prompt": "import os\n", "max_tokens": 12, "temperature": 0}
     want = LLM(target_model).generate(["import os\n"], SamplingParams(temperature=0, max_tokens=12))[0]
-    with ServerThread(make_llm(args)) as srv:
+    with ServerThread(functools.partial(make_llm_in_core, args), engine_core="process") as srv:
         got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
         assert got["choices"][0]["text"] == want.outputs[0].text
         with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        # the first token comes from the prefill side alone; the decode side's steps may arrive several at once
+        # disaggregated, the first token comes from the prefill side alone; the decode side's steps may arrive
+        # several at once
         assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == want.outputs[0].text
         deadline = time.monotonic() + 20
-        while srv.engine_loop.call(lambda e: e.has_unfinished_requests()).result(10) and time.monotonic() < deadline:
+        while srv.engine_loop.call(engine_state).result(10)["has_unfinished"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        pools = srv.engine_loop.call(lambda e: e.pool_stats()).result(30)
-        assert all(p["num_free_blocks"] == p["num_blocks"] for p in pools.values()) and len(pools) == 2
-        assert srv.engine_loop.error is None
+        assert srv.engine_loop.call(idle_check).result(30)["error"] is None
+        if option == "--disaggregated":                  # each instance's pool, checked in its own process
+            assert len(srv.engine_loop.call(pool_stats).result(30)) == 2
+        assert srv.engine_loop.error is None and srv.engine_loop.process.is_alive()
+
+
+def pool_stats(engine) -> dict:                          # run in the engine core (a call must pickle)
+    return engine.pool_stats()
 
 
 @pytest.mark.parametrize("option", ["tensor_parallel_size=2", "disaggregated=True"])
