@@ -33,6 +33,8 @@ public function (checks included), so that a student's version can stand in for 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -178,9 +180,6 @@ def _group(md, rows: list, block_size: int, device) -> tuple:
     """One group's (slots [G, L], q_rows [G, Q] or None, q_valid [G, Q] or None, mask [G, 1, Q, L] or None)
     for the sequences ``rows`` of the step (see ``_plan``)."""
     q_lens, s_lens = md.query_lens_list, md.seq_lens_list
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
     L, Q = max(s_lens[b] for b in rows), max(q_lens[b] for b in rows)
     sl = torch.tensor([s_lens[b] for b in rows], device=device)                  # [G]
     ql = torch.tensor([q_lens[b] for b in rows], device=device)                  # [G]
@@ -201,6 +200,7 @@ def _group(md, rows: list, block_size: int, device) -> tuple:
         # verifying k drafts each): the flat [T, H, D] is [G, Q, H, D] already, no gather or scatter
         q_rows = q_valid = None
     else:
+        starts = [0, *itertools.accumulate(q_lens)]                              # each row's first query
         q_valid = i[None] < ql[:, None]                                          # [G, Q]
         q_rows = (torch.tensor([starts[b] for b in rows], device=device)[:, None] + i[None]) * q_valid
     if md.tree_bits is not None and Q > 1:        # the tree mask, folded in once per step (see the loop)
