@@ -16,8 +16,10 @@ def _generate(args) -> int:
     from minibatch.llm import LLM
     from minibatch.sampling.sampler import SamplingParams
 
+    from minibatch.engine import memory_hierarchy
+
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [], n=args.n)
     spec = args.speculative_config
     if args.speculative:
         if spec is not None:
@@ -26,16 +28,18 @@ def _generate(args) -> int:
     try:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                  cuda_graph_mode=args.cuda_graph_mode)
+                  cuda_graph_mode=args.cuda_graph_mode, num_gpu_blocks=args.num_gpu_blocks_override,
+                  **memory_hierarchy.config_kwargs(args))
         t = time.perf_counter()
-        out = llm.generate([args.prompt], params)[0]
+        outs = llm.generate(list(args.prompt), params)
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
         return _generate_without_the_engine(args, params, e)
     dt = time.perf_counter() - t
+    out = outs[0]
     comp = out.outputs[0]
     print(f"# minibatch · model {args.preset} ({llm.model.num_params():,} parameters) · device {llm.device} · "
           f"backend {llm.llm_engine.config.attention_backend}", file=sys.stderr)
-    print(args.prompt + comp.text)
+    print(args.prompt[0] + comp.text)
     print(f"# {len(comp.token_ids)} tokens in {dt:.2f} s ({len(comp.token_ids) / dt:.1f} tokens/s), "
           f"finish reason: {comp.finish_reason}", file=sys.stderr)
     if comp.spec and comp.spec["num_steps"]:
@@ -43,6 +47,11 @@ def _generate(args) -> int:
               f"accepted (acceptance rate {comp.spec['acceptance_rate']:.2f}), {comp.spec['mean_tokens_per_step']:.2f} "
               f"tokens per verify step" + ("" if comp.spec["lossless"] else "; typical acceptance: LOSSY"),
               file=sys.stderr)
+    if memory_hierarchy.summary(llm.llm_engine):
+        print(memory_hierarchy.summary(llm.llm_engine), file=sys.stderr)
+    for prompt, o in zip(args.prompt, outs):              # more prompts, --n > 1: the other samples
+        for c in o.outputs[1:] if o is out else o.outputs:
+            print(f"# prompt {args.prompt.index(prompt) + 1}, sample {c.index}:\n{prompt}{c.text}")
     return 0
 
 
@@ -55,9 +64,9 @@ def _generate_without_the_engine(args, params, why) -> int:
           f"one request, a contiguous KV cache)", file=sys.stderr)
     model = load_model(args.preset, device=args.device)
     t = time.perf_counter()
-    ids, reason = generate_with_cache(model, encode(args.prompt), params)
+    ids, reason = generate_with_cache(model, encode(args.prompt[0]), params)
     dt = time.perf_counter() - t
-    print(args.prompt + decode(ids))
+    print(args.prompt[0] + decode(ids))
     print(f"# {len(ids)} tokens in {dt:.2f} s, finish reason: {reason}", file=sys.stderr)
     return 0
 
@@ -66,7 +75,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minibatch", description="minibatch: LLM serving, step by step")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete a prompt with the shipped model")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="+", help="one prompt, or several (batched together)")
     g.add_argument("--max-tokens", type=int, default=80)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -90,6 +99,11 @@ def main(argv=None) -> int:
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, as vLLM takes it, e.g. \'{"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, '
                         '"depth": 5, "topk": 4}\'')
+    g.add_argument("--n", type=int, default=1, help="samples of the prompt (parallel sampling, sharing its blocks)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache size in blocks (vLLM's flag; small, it makes the scheduler preempt)")
+    from minibatch.engine import memory_hierarchy
+    memory_hierarchy.add_arguments(g)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured, disaggregated")

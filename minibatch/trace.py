@@ -85,6 +85,20 @@ class StepTrace:
     cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
                                                # ``duration`` without the waits of a shared machine (bench/validate.py)
     instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (disagg/instance.py)
+    # The memory hierarchy (engine/memory_hierarchy.py, kv/host_pool.py); all empty / 0 without a host pool
+    swapped_out: list = field(default_factory=list)         # seq ids swapped out to the host pool this step
+    swapped_in: list = field(default_factory=list)          # seq ids swapped back in this step
+    recomputed_instead: list = field(default_factory=list)  # seq ids to swap, preempted by recompute: swap space full
+    host_block_tables: dict = field(default_factory=dict)   # seq id -> [host block ids], every swapped-out sequence
+    offloaded_blocks: list = field(default_factory=list)    # host block ids holding a host-tier (prefix) copy
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+    offload_hits: int = 0           # cumulative blocks loaded back from the host tier instead of recomputed
+    offload_queries: int = 0        # cumulative blocks looked up in the host tier (they missed the device pool)
+    blocks_to_host: int = 0         # blocks copied device -> host this step (swapped out + offloaded)
+    blocks_to_device: int = 0       # blocks copied host -> device this step (swapped in + loaded back)
+    bytes_to_host: int = 0          # ... and their bytes, each way (every layer's K and V)
+    bytes_to_device: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,7 +168,24 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
         speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-        propose_duration=propose_duration, drafted=_drafted(sched.running))
+        propose_duration=propose_duration, drafted=_drafted(sched.running), **_hierarchy(engine, out))
+
+
+def _hierarchy(engine, out) -> dict:
+    """The memory hierarchy's fields of the trace (none without a host pool)."""
+    host = getattr(engine, "host_pool", None)
+    if host is None:
+        return {}
+    to_host = len(out.blocks_to_swap_out) + len(out.blocks_to_offload)
+    to_device = len(out.blocks_to_swap_in) + len(out.blocks_to_load)
+    per = engine.kv_cache.host_kv[:, :, 0].numel() * engine.kv_cache.host_kv.element_size()   # one block, all layers
+    return dict(swapped_out=[s.seq_id for s in out.swapped_out], swapped_in=[s.seq_id for s in out.swapped_in],
+                recomputed_instead=[s.seq_id for s in out.recomputed_instead],
+                host_block_tables=host.block_tables(), offloaded_blocks=host.offloaded_blocks(),
+                num_host_blocks=host.num_blocks, num_free_host_blocks=host.num_free_blocks,
+                offload_hits=host.offload_hits, offload_queries=host.offload_queries,
+                blocks_to_host=to_host, blocks_to_device=to_device, bytes_to_host=to_host * per,
+                bytes_to_device=to_device * per)
 
 
 def _drafted(running) -> list:

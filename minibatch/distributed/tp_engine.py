@@ -13,6 +13,7 @@ The driver sends a message for every call that touches the model or the cache, a
     "forward":     input_ids [T], positions [T], the step's AttentionMetadata (slot mapping, block tables,
                    seq_lens, query_start_loc, tree bits; the host-side lists), the backend, and the forward's
                    options (logits rows, hidden states, exit / start layer and its hidden state [T, C])
+    "allocate_host" / "swap_out" / "swap_in": the host pool's tensor and its copies;
     "copy_blocks": copy-on-write pairs;   "copy_slots": a tree's accepted path moved to consecutive slots
     "shutdown"
 
@@ -179,6 +180,24 @@ class TPKVCache(KVCache):
         self.group.send(("copy_slots", src.cpu(), dst.cpu(), num_layers))
         super().copy_slots(src, dst, num_layers)
 
+    # The memory hierarchy: every rank keeps its heads' share of each host block (the host block ids are rank 0's
+    # scheduler's, the same on every rank, as the device ones are).
+    def allocate_host(self, num_host_blocks: int) -> None:
+        self.group.send(("allocate_host", num_host_blocks))
+        super().allocate_host(num_host_blocks)
+
+    def swap_out(self, pairs) -> None:
+        pairs = [tuple(p) for p in pairs]
+        if pairs:
+            self.group.send(("swap_out", pairs))
+        super().swap_out(pairs)
+
+    def swap_in(self, pairs) -> None:
+        pairs = [tuple(p) for p in pairs]
+        if pairs:
+            self.group.send(("swap_in", pairs))
+        super().swap_in(pairs)
+
 
 # -- the worker ---------------------------------------------------------------------------------------------------------
 def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state: dict, cache_shape: tuple,
@@ -207,6 +226,9 @@ def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state
                     cache.copy_blocks(msg[1])
                 elif msg[0] == "copy_slots":
                     cache.copy_slots(msg[1].to(device), msg[2].to(device), msg[3])
+                elif msg[0] in ("allocate_host", "swap_out", "swap_in"):
+                    getattr(cache, msg[0])(msg[1])
+                    cache.wait_copies()
     except Exception:
         traceback.print_exc()
         raise SystemExit(1)

@@ -1,11 +1,13 @@
 """Everything a lecture varies, in one place, checked once when it is made."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 from minibatch.engine.cuda_graphs import MODES
+from minibatch.engine.memory_hierarchy import PREEMPTION_MODES, WRITE_POLICIES
 from minibatch.engine.request_queue import POLICIES
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
@@ -48,6 +50,14 @@ class EngineConfig:
     cuda_graph_mode: str = "auto"              # or "eager-replay", "compile"
     cuda_graph_sizes: Optional[list] = None
     num_threads: Optional[int] = None          # CPU threads; None: from the model's size (engine/threads.py)
+    # The KV cache's host tier (engine/memory_hierarchy.py, kv/host_pool.py), vLLM's names. preemption_mode "swap"
+    # keeps a preempted request's blocks in a host swap space of swap_space GiB (None: as many blocks as the device
+    # pool, all the paper's admission rule can ever need); kv_offload_space GiB > 0 gives the prefix cache a host
+    # tier (vLLM V1's CPU offloading), written through as blocks fill or back when the device evicts them.
+    preemption_mode: str = "recompute"         # or "swap"
+    swap_space: Optional[float] = None         # GiB (2**30 bytes), as vLLM V0's --swap-space
+    kv_offload_space: float = 0.0              # GiB; 0: no host tier
+    kv_offload_write_policy: str = "write_through"   # or "write_back" (SGLang HiCache's names)
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -81,6 +91,43 @@ class EngineConfig:
                              f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
         self._check_graphs()
         check_num_threads(self.num_threads)
+        self._check_hierarchy()
+
+    def _check_hierarchy(self) -> None:
+        for name, allowed in (("preemption_mode", PREEMPTION_MODES), ("kv_offload_write_policy", WRITE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(allowed)}")
+        for name in ("swap_space", "kv_offload_space"):
+            v = getattr(self, name)
+            if v is None and name == "swap_space":
+                continue
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {v!r}")
+        if self.preemption_mode == "swap" and self.scheduling == "static":
+            raise ValueError("preemption_mode='swap' needs scheduling='continuous': the static baseline never preempts")
+        if self.kv_offload_space and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_space > 0 is a host tier of the prefix cache: it needs "
+                             "enable_prefix_caching=True")
+        if self.kv_offload_space and self.disaggregated:
+            raise ValueError("kv_offload_space with disaggregated=True: the decode instance writes transferred "
+                             "blocks outside the scheduler's step, which the host tier's copies cannot follow; "
+                             "use one or the other")
+
+    def host_blocks(self, bytes_per_block: int, num_device_blocks: int) -> tuple:
+        """(swap blocks, host-tier blocks) of the host pool; a ValueError when they exceed the host's free memory."""
+        gib = 2 ** 30
+        swap = 0
+        if self.preemption_mode == "swap":
+            swap = num_device_blocks if self.swap_space is None else int(self.swap_space * gib) // bytes_per_block
+        offload = int(self.kv_offload_space * gib) // bytes_per_block
+        if self.kv_offload_space and offload < 1:
+            raise ValueError(f"kv_offload_space={self.kv_offload_space} GiB holds no block ({bytes_per_block} bytes)")
+        free = available_memory()
+        if free is not None and (swap + offload) * bytes_per_block > free:
+            raise ValueError(f"swap_space and kv_offload_space ask for {(swap + offload) * bytes_per_block / gib:.2f} "
+                             f"GiB of host memory; this machine has {free / gib:.2f} GiB free")
+        return swap, offload
+
 
     def cost_model(self):
         """The simulated clock's CostModel (minibatch/perf/cost.py), or None without ``simulate``."""
@@ -117,3 +164,15 @@ class EngineConfig:
             budget = self.cost_model().num_gpu_blocks(self.block_size, self.gpu_memory_utilization)
             return min(budget, self.max_num_seqs * -(-n_ctx // self.block_size))
         return self.max_num_seqs * -(-n_ctx // self.block_size)
+
+
+def available_memory():
+    """Bytes of host memory free now (Linux: MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

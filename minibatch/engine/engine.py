@@ -22,6 +22,7 @@ import torch
 from minibatch.sampling import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
+from minibatch.engine.memory_hierarchy import MemoryHierarchy
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
 from minibatch.sampling.sampler import Sampler, SamplingParams
@@ -32,6 +33,7 @@ from minibatch.engine import threads
 from minibatch.distributed.kv_transfer import scatter_prompt
 from minibatch.kv.attention import default_backend
 from minibatch.kv.block_allocator import BlockAllocator
+from minibatch.kv.host_pool import HostBlockPool
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import decode, encode
@@ -99,6 +101,7 @@ class LLMEngine:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else Scheduler
         self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
+        self._build_hierarchy(num_blocks)
         if p:
             self.scheduler.num_lookahead_slots = p.num_lookahead_slots
             if p.tree_nodes and p.tree_nodes + 1 > min(c.max_num_batched_tokens, mc.n_ctx):
@@ -120,6 +123,19 @@ class LLMEngine:
         # The simulated clock (EngineConfig.simulate): the cost model times each step's trace; the engine only
         # stamps the result on it and keeps the running sum (a driver may move it forward to the next arrival).
         self.cost_model, self.simulated_time = c.cost_model(), 0.0
+
+    def _build_hierarchy(self, num_blocks: int) -> None:
+        """The host pool, its tensor and the scheduler's memory hierarchy, when swapping or a host tier is asked for."""
+        c, kv = self.config, self.kv_cache
+        per = KVCache.bytes_per_block(kv.num_layers, c.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype)
+        swap, offload = c.host_blocks(per, num_blocks)
+        self.host_pool = None
+        if swap + offload == 0:
+            return
+        self.host_pool = HostBlockPool(swap, offload, c.block_size)
+        kv.allocate_host(swap + offload)
+        self.scheduler.hierarchy = MemoryHierarchy(self.host_pool, c.preemption_mode, c.kv_offload_write_policy)
+        self.scheduler.hierarchy.bind(self.allocator)
 
     # -- requests -----------------------------------------------------------------
     def add_hook(self, fn: Callable) -> None:
@@ -208,7 +224,7 @@ class LLMEngine:
             logprobs.record(scheduler_output, runner_output)
         t_propose = time.perf_counter()
         if self.proposer is not None:
-            for seq in scheduler_output.preempted + finished:
+            for seq in scheduler_output.preempted + scheduler_output.swapped_out + finished:
                 self.proposer.free(seq)
             self.proposer.propose([s for s in self.scheduler.running if s.is_decoding], runner_output,
                                   scheduler_output)

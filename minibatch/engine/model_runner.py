@@ -81,8 +81,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out) -> ModelRunnerOutput:
+        # The memory hierarchy's copies, then copy-on-write, all before the forward and in this order: out to the
+        # host, back from it, within the device (engine/memory_hierarchy.py says why no copy then reads a block
+        # another one writes).
+        kv = self.kv_cache
+        if out.blocks_to_swap_out or out.blocks_to_offload:
+            kv.swap_out(out.blocks_to_swap_out + out.blocks_to_offload)
+        if out.blocks_to_swap_in or out.blocks_to_load:
+            kv.swap_in(out.blocks_to_swap_in + out.blocks_to_load)
+        if out.blocks_to_swap_out or out.blocks_to_offload or out.blocks_to_swap_in or out.blocks_to_load:
+            kv.wait_copies()                  # GPU: the forward's stream waits for the side stream's copies
         if out.cow_copies:
-            self.kv_cache.copy_blocks(out.cow_copies)
+            kv.copy_blocks(out.cow_copies)
         if self._replayable(out):
             return self._execute_decode(out.scheduled)
         input_ids, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)

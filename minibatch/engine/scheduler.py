@@ -20,7 +20,10 @@ sequences, then admissions: low latency for those already generating) or
 When a running sequence needs a new block and none is free, the scheduler
 **preempts by recompute** (vLLM §4.5): the least important running sequence
 (last in queue order) loses its blocks and goes back to waiting; it will
-prefill its prompt and its output so far again when readmitted.
+prefill its prompt and its output so far again when readmitted. With
+``preemption_mode="swap"`` the victim request is instead swapped out whole to the
+host pool before the batch is chosen, and swapped back in before it runs again
+(``memory_hierarchy.py``, which also runs the prefix cache's host tier).
 
 ``update_from_output()`` is the other half (vLLM V1's name): it takes the model
 runner's sampled tokens and, per sequence, advances ``num_computed_tokens``,
@@ -76,6 +79,14 @@ class SchedulerOutput:
     admitted: list = field(default_factory=list)         # [Sequence]
     preempted: list = field(default_factory=list)        # [Sequence]
     cow_copies: list = field(default_factory=list)       # (src, dst) blocks to copy before the forward
+    # The memory hierarchy (memory_hierarchy.py; vLLM V0's names): copies run before the forward, in this order
+    blocks_to_swap_out: list = field(default_factory=list)   # (device, host) blocks of requests swapped out
+    blocks_to_offload: list = field(default_factory=list)    # (device, host) full blocks copied to the host tier
+    blocks_to_swap_in: list = field(default_factory=list)    # (host, device) blocks of requests swapped back in
+    blocks_to_load: list = field(default_factory=list)       # (host, device) prefix blocks loaded from the tier
+    swapped_out: list = field(default_factory=list)      # [Sequence] swapped out this step
+    swapped_in: list = field(default_factory=list)       # [Sequence] swapped in this step
+    recomputed_instead: list = field(default_factory=list)   # [Sequence] to swap, but the swap space was full
     padding: list = field(default_factory=list)          # static batching: (block_table, context length) of
                                                          # each finished member, which still computes a token
 
@@ -108,6 +119,9 @@ class SchedulerBase:
         # Disaggregated serving's prefill side: told of each finished sequence before its blocks are freed
         # (vLLM's KVConnector.request_finished; minibatch/distributed/kv_transfer.py). None: nobody listens.
         self.kv_connector = None
+        # The KV cache's host tier (memory_hierarchy.py): swapping and the prefix cache's host copies. The engine
+        # sets it when preemption_mode="swap" or kv_offload_space > 0; None: one pool, preemption by recompute.
+        self.hierarchy = None
 
     # -- queues -------------------------------------------------------------------------
     def check_request(self, seq: Sequence) -> None:
@@ -124,7 +138,7 @@ class SchedulerBase:
         self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.waiting) or self.running)
+        return bool(len(self.waiting) or self.running or (self.hierarchy and self.hierarchy.swapped))
 
     def live_seq_ids(self) -> list:
         """The sequences that hold blocks: the running ones (the static baseline adds its finished members)."""
@@ -138,6 +152,8 @@ class SchedulerBase:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if self.hierarchy is not None:
+            self.hierarchy.forget(seq)          # a swapped-out sequence's host blocks go too
         if self.kv_connector is not None and self.allocator.has_seq(seq.seq_id):
             self.kv_connector.request_finished(seq, self.allocator.block_table(seq.seq_id))
         self._release(seq)
@@ -149,6 +165,8 @@ class SchedulerBase:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.allocator.free(seq.seq_id)
+        if self.hierarchy is not None:
+            self.hierarchy.forget(seq)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.clear_spec()
@@ -170,7 +188,11 @@ class SchedulerBase:
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.hierarchy is not None:                # swap out, or back in, before the batch is chosen
+            self.hierarchy.before_fill(self, out)
         self._fill(out)
+        if self.hierarchy is not None:
+            self.hierarchy.after_fill(self, out)
         now = time.perf_counter()
         for s in out.scheduled:
             s.block_table = self.allocator.block_table(s.seq.seq_id)
@@ -195,6 +217,8 @@ class SchedulerBase:
 
     def _start(self, seq: Sequence, out: SchedulerOutput) -> None:
         cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
+        if self.hierarchy is not None:                # the prefix the device missed, loaded from the host tier
+            cached += self.hierarchy.load_back(self.allocator, seq, cached, out)
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         self.waiting.remove(seq)
         self.running.append(seq)
@@ -218,6 +242,8 @@ class SchedulerBase:
             seq.clear_spec()
             if not toks:                                      # mid-prefill: nothing sampled yet
                 self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
+                if self.hierarchy is not None:
+                    self.hierarchy.offload(self.allocator, seq)
                 continue
             if seq.num_forks_pending:                         # n > 1: the prompt is done, fork the samples
                 finished += self._fork(seq, runner_output.forked_token_ids[i])
@@ -239,6 +265,8 @@ class SchedulerBase:
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(toks))
         seq.token_ids += toks
         self.allocator.mark_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids)
+        if self.hierarchy is not None:                # write-through: newly full blocks to the host tier
+            self.hierarchy.offload(self.allocator, seq)
         cut = find_stop(seq.output_token_ids, seq.params.stop, seq.params.stop_token_ids)
         if cut is not None:
             del seq.token_ids[seq.num_prompt_tokens + cut:]
@@ -318,6 +346,8 @@ class Scheduler(SchedulerBase):
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in queue order while budget, seats and blocks allow; each gets its first
         chunk. Returns the budget left."""
+        if self.hierarchy is not None and self.hierarchy.admission_paused():
+            return budget                                     # a request is swapped out: it goes first (§4.5)
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
             if self._seats(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1: n seats

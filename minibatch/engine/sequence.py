@@ -3,9 +3,12 @@
 State machine (vLLM's, with preemption by recompute, Kwon et al. 2023 §4.5):
 
     WAITING --admit--> RUNNING --stop / length / abort--> FINISHED
-       ^                  |
-       +----preempt-------+   (its blocks are freed; on readmission the prompt
-                               *and* the tokens generated so far are prefilled again)
+       ^                 |  ^
+       +----preempt------+  |   (recompute: its blocks are freed; on readmission the
+                         |  |    prompt *and* the tokens generated so far are prefilled again)
+              swap out   v  | swap in
+                        SWAPPED  (preemption_mode="swap": its blocks wait in the host pool,
+                                  host_pool.py, and are copied back before it runs again)
 
 The invariant that makes chunked prefill, decode, preemption and speculation one
 mechanism (vLLM V1's ``num_computed_tokens``): the first ``num_computed_tokens`` of
@@ -34,6 +37,7 @@ from minibatch.spec_decode.stats import SpecStats
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"                      # preempted by swapping: its blocks wait in the host pool
     FINISHED = "finished"
 
 
@@ -73,7 +77,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0             # leading tokens whose K/V is in the cache
     num_cached_tokens: int = 0               # of those, how many the prefix cache gave at admission
-    num_preemptions: int = 0
+    num_preemptions: int = 0                 # preempted by recompute (its K/V thrown away)
+    num_swaps: int = 0                       # preempted by swapping (its K/V kept in host memory)
     num_forks_pending: int = 0               # n > 1: children to fork off once the prompt is computed
     spec_token_ids: list = field(default_factory=list)        # drafts for the next step to verify
     spec_probs: Optional[torch.Tensor] = None                 # [len(spec_token_ids), V] draft q; None = one-hot

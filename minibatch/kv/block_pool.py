@@ -92,6 +92,7 @@ class BlockAllocatorBase:
         self._cache: dict = {}                # block hash -> block id
         self._entries: dict = {}              # block id -> CacheEntry
         self._next_serial = 0
+        self.on_evict = None                  # fn(block, CacheEntry) when a cached block's entry dies (write-back)
         self.hits = 0                         # cumulative full blocks reused by allocate
         self.queries = 0                      # cumulative full blocks allocate could have reused
 
@@ -118,6 +119,10 @@ class BlockAllocatorBase:
     def num_cached_blocks(self, seq_id) -> int:
         """Its leading full blocks registered in the prefix cache (or hashed, with caching off: 0)."""
         return len(self._get(seq_id).chain)
+
+    def cached_block_hashes(self, seq_id) -> list:
+        """The chained hashes of its leading cached full blocks (the host tier keys its copies by them)."""
+        return [h for h, _ in self._get(seq_id).chain]
 
     def ref_count(self, block_id: int) -> int:
         if not isinstance(block_id, numbers.Integral) or not 0 <= block_id < self.num_blocks:
@@ -157,6 +162,8 @@ class BlockAllocatorBase:
         e = self._entries.pop(block, None)
         if e is not None and self._cache.get(e.block_hash) == block:
             del self._cache[e.block_hash]
+            if self.on_evict is not None:       # the host tier's write-back (engine/scheduler.py): keep a copy
+                self.on_evict(block, e)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cache entry (blocks in use keep their KV; they are just no longer findable)."""
@@ -193,6 +200,39 @@ class BlockAllocatorBase:
         self._release(s.blocks[keep:])
         del s.blocks[keep:], s.chain[n // self.block_size:]
         s.num_slots = n
+
+    # -- swapping (PagedAttention §4.5): whole sequences to the host pool and back ---------------------------------
+    def swap_out(self, seq_ids, host) -> list:
+        """Move these sequences (one request's, all of them) to ``host`` (a ``HostBlockPool``): their device blocks
+        are freed as by ``free``. Returns the (device block, host block) pairs to copy first, each distinct block
+        once. Raises ``HostPoolFullError`` (from the host pool), changing nothing, when it cannot hold them."""
+        tables = {sid: self._get(sid).blocks for sid in seq_ids}
+        pairs = host.swap_out(tables, {sid: self._seqs[sid].num_slots for sid in seq_ids})
+        for sid in seq_ids:
+            self.free(sid)
+        return pairs
+
+    def blocks_to_swap_in(self, seq_ids, host) -> int:
+        """Device blocks swapping these sequences back in takes (a block they share, once)."""
+        return len({b for sid in seq_ids for b in host.swapped[sid].blocks})
+
+    def swap_in(self, seq_ids, host) -> list:
+        """Bring swapped sequences back into fresh device blocks (ref counts as before: a block the request's
+        sequences share is shared again). Returns the (host block, device block) pairs to copy before the forward.
+        Their prefix-cache chain starts empty: their full blocks are registered again as they are computed."""
+        seq_ids = list(seq_ids)
+        for sid in seq_ids:
+            self._check_new_id(sid)
+        need = self.blocks_to_swap_in(seq_ids, host)
+        if need > len(self._free):
+            raise NoFreeBlocksError(f"swapping in {seq_ids} needs {need} blocks, {len(self._free)} are free")
+        tables, slots, order = host.swap_in(seq_ids)
+        dev = {h: self._take_fresh() for h in order}               # each fresh block has ref count 1
+        for sid in seq_ids:
+            self._seqs[sid] = _Seq([dev[h] for h in tables[sid]], slots[sid])
+        for h in order:                                             # shared by k tables: ref count k
+            self._ref[dev[h]] = sum(t.count(h) for t in tables.values())
+        return [(h, dev[h]) for h in order]
 
     # -- invariants -------------------------------------------------------------------
     def check_invariants(self, live_seq_ids=None) -> None:

@@ -83,6 +83,90 @@ class KVCache:
         flat = self.kv.view(L, 2, N * bs, H, D)[:num_layers]      # [L', 2, slots, Hkv, D]
         flat[:, :, dst] = flat[:, :, src]
 
+    # -- the host tier: swapping and offloading (host_pool.py owns the host block ids) -----------------------
+    def allocate_host(self, num_host_blocks: int) -> None:
+        """The host pool's tensor ``host_kv[L, 2, num_host_blocks, bs, Hkv, D]``: pinned memory on a GPU, so its
+        copies run on a side stream while the CPU goes on; ordinary memory on a CPU."""
+        if not isinstance(num_host_blocks, int) or isinstance(num_host_blocks, bool) or num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks must be a positive int, got {num_host_blocks!r}")
+        L, two, _, bs, H, D = self.kv.shape
+        gpu = self.device.type == "cuda"
+        self.host_kv = torch.zeros((L, two, num_host_blocks, bs, H, D), dtype=self.dtype, pin_memory=gpu)
+        self._stream = torch.cuda.Stream(self.device) if gpu else None
+        self._pending = []                     # GPU: (event, host block ids, pinned staging) still in flight
+
+    def _check_pairs(self, pairs, n_src: int, n_dst: int, what: str):
+        if not hasattr(self, "host_kv"):
+            raise RuntimeError("no host pool: allocate_host() first (preemption_mode='swap' or kv_offload_space)")
+        src = [int(s) for s, _ in pairs]
+        dst = [int(d) for _, d in pairs]
+        if min(src) < 0 or max(src) >= n_src or min(dst) < 0 or max(dst) >= n_dst or len(set(dst)) != len(dst):
+            raise ValueError(f"{what} pairs {pairs}: need distinct destinations, ids in range")
+        return src, dst
+
+    def swap_out(self, pairs) -> None:
+        """Device block d -> host block h for each (d, h): one batched gather and one index copy per layer
+        (vLLM's ``swap_blocks``), never a loop over blocks. On a GPU the copy runs on a side stream; the step's
+        forward (which may overwrite the freed device blocks) waits for it (``wait_copies``)."""
+        if not pairs:
+            return
+        src, dst = self._check_pairs(pairs, self.num_blocks, self.host_kv.shape[2], "swap-out")
+        if self._stream is None:
+            src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+            for layer in range(self.num_layers):               # [2, n, bs, Hkv, D] a layer
+                self.host_kv[layer].index_copy_(1, dst_t, self.kv[layer].index_select(1, src_t))
+            return
+        self._flush()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            src_t = torch.tensor(src, device=self.device)
+            staging = torch.empty((self.num_layers,) + self.kv[0][:, src_t].shape, dtype=self.dtype, pin_memory=True)
+            for layer in range(self.num_layers):
+                staging[layer].copy_(self.kv[layer].index_select(1, src_t), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending.append((event, torch.tensor(dst), staging))
+
+    def swap_in(self, pairs) -> None:
+        """Host block h -> device block d for each (h, d), batched per layer as ``swap_out``."""
+        if not pairs:
+            return
+        src, dst = self._check_pairs(pairs, self.host_kv.shape[2], self.num_blocks, "swap-in")
+        src_t = torch.tensor(src)
+        if self._stream is None:
+            dst_t = torch.tensor(dst)
+            for layer in range(self.num_layers):
+                self.kv[layer].index_copy_(1, dst_t, self.host_kv[layer].index_select(1, src_t))
+            return
+        self._flush()                                          # a block swapped out last step may come back now
+        staging = torch.empty((self.num_layers,) + self.host_kv[0][:, src_t].shape, dtype=self.dtype,
+                              pin_memory=True)
+        for layer in range(self.num_layers):
+            torch.index_select(self.host_kv[layer], 1, src_t, out=staging[layer])
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            dst_t = torch.tensor(dst, device=self.device)
+            for layer in range(self.num_layers):
+                self.kv[layer].index_copy_(1, dst_t, staging[layer].to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending.append((event, None, staging))           # staging lives until the copy is done
+
+    def wait_copies(self) -> None:
+        """GPU: the step's forward waits (on the device, no host sync) for the copies issued before it."""
+        if getattr(self, "_stream", None) is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _flush(self) -> None:
+        """GPU: finish the host side of earlier swap-outs (their staging into ``host_kv``); by now, a step later,
+        their events have almost always completed, so the wait is short."""
+        for event, dst, staging in self._pending:
+            event.synchronize()
+            if dst is not None:
+                for layer in range(self.num_layers):
+                    self.host_kv[layer].index_copy_(1, dst, staging[layer])
+        self._pending.clear()
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
