@@ -178,7 +178,7 @@ def _hierarchy(engine, out) -> dict:
         return {}
     to_host = len(out.blocks_to_swap_out) + len(out.blocks_to_offload)
     to_device = len(out.blocks_to_swap_in) + len(out.blocks_to_load)
-    per = engine.kv_cache.host_kv[:, :, 0].numel() * engine.kv_cache.host_kv.element_size()   # one block, all layers
+    per = engine.bytes_per_block                      # one block: every layer's K and V
     return dict(swapped_out=[s.seq_id for s in out.swapped_out], swapped_in=[s.seq_id for s in out.swapped_in],
                 recomputed_instead=[s.seq_id for s in out.recomputed_instead],
                 host_block_tables=host.block_tables(), offloaded_blocks=host.offloaded_blocks(),

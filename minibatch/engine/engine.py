@@ -129,11 +129,12 @@ class LLMEngine:
         c, kv = self.config, self.kv_cache
         per = KVCache.bytes_per_block(kv.num_layers, c.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype)
         swap, offload = c.host_blocks(per, num_blocks)
-        self.host_pool = None
-        if swap + offload == 0:
+        self.host_pool, self.bytes_per_block = None, per
+        if c.preemption_mode != "swap" and not offload:
             return
-        self.host_pool = HostBlockPool(swap, offload, c.block_size)
-        kv.allocate_host(swap + offload)
+        self.host_pool = HostBlockPool(swap, offload, c.block_size)   # a swap space of 0 blocks: each swap recomputes
+        if swap + offload:
+            kv.allocate_host(swap + offload)
         self.scheduler.hierarchy = MemoryHierarchy(self.host_pool, c.preemption_mode, c.kv_offload_write_policy)
         self.scheduler.hierarchy.bind(self.allocator)
 
