@@ -213,8 +213,27 @@ class CostModel:
         return sum(max(self.op_time(o)) for o in ops) + launches + hw.token_overhead * self._draft_tokens(trace)
 
     def step_time(self, trace) -> float:
-        """Seconds the step would take: the operators' roofline times plus the overheads."""
+        """Seconds the step would take: the operators' roofline times plus the overheads, plus the memory
+        hierarchy's copies, which run before the forward (engine/memory_hierarchy.py)."""
         if not trace.scheduled:
-            return 0.0
+            return self.transfer_time(trace)
         target = sum(max(self.op_time(o)) for o in self.forward_ops(self.model, self.target_rows(trace)))
-        return target + self.target_overhead(trace) + self.propose_time(trace)
+        return target + self.target_overhead(trace) + self.propose_time(trace) + self.transfer_time(trace)
+
+    def transfer_time(self, trace, per_block: bool = False) -> float:
+        """The step's host <-> device copies (swap out/in, offload, load-back) over PCIe: each direction's bytes at
+        ``host_bandwidth``, plus ``host_latency`` per transfer. The simulated model's blocks are priced, not the
+        tiny model's: a block is ``block_size`` tokens of its KV (``kv_bytes_per_token``, per device under TP).
+        minibatch copies each direction as one batched copy per layer (vLLM's ``swap_blocks`` per layer);
+        ``per_block=True`` prices vLLM V0's CUDA loop instead, one transfer per block per layer for K and for V,
+        whose per-transfer latency is what makes swapping slow at small blocks (PagedAttention §7.3, Fig. 19)."""
+        hw, m = self.hw, self.model
+        if not hw.host_bandwidth:
+            return 0.0
+        per = trace.block_size * m.kv_bytes_per_token / self.tp
+        t = 0.0
+        for blocks in (getattr(trace, "blocks_to_host", 0), getattr(trace, "blocks_to_device", 0)):
+            if blocks:
+                transfers = 2 * m.n_layer * blocks if per_block else m.n_layer
+                t += transfers * hw.host_latency + blocks * per / hw.host_bandwidth
+        return t
