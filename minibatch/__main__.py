@@ -29,6 +29,7 @@ def _generate(args) -> int:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                   cuda_graph_mode=args.cuda_graph_mode, num_gpu_blocks=args.num_gpu_blocks_override,
+                  async_scheduling=args.async_scheduling,
                   **memory_hierarchy.config_kwargs(args))
         t = time.perf_counter()
         outs = llm.generate(list(args.prompt), params)
@@ -104,6 +105,8 @@ def main(argv=None) -> int:
                    help="KV cache size in blocks (vLLM's flag; small, it makes the scheduler preempt)")
     from minibatch.engine import memory_hierarchy
     memory_hierarchy.add_arguments(g)
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N's forward runs (vLLM's flag; engine/async_scheduler.py)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured, disaggregated")

@@ -85,6 +85,13 @@ class StepTrace:
     cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
                                                # ``duration`` without the waits of a shared machine (bench/validate.py)
     instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (disagg/instance.py)
+    # Where the step's time went, [start, end] in seconds since the engine was created: the CPU's scheduling, the
+    # model's forward (with sampling, in the synchronous engine; the forward alone on the model's thread under
+    # asynchronous scheduling, where it overlaps the next step's schedule and the previous one's update), and the
+    # CPU's update (engine.py). The timeline draws them as two lanes, CPU and model.
+    schedule_span: list = field(default_factory=list)
+    forward_span: list = field(default_factory=list)
+    update_span: list = field(default_factory=list)
     # The memory hierarchy (engine/memory_hierarchy.py, kv/host_pool.py); all empty / 0 without a host pool
     swapped_out: list = field(default_factory=list)         # seq ids swapped out to the host pool this step
     swapped_in: list = field(default_factory=list)          # seq ids swapped back in this step

@@ -58,6 +58,8 @@ class EngineConfig:
     swap_space: Optional[float] = None         # GiB (2**30 bytes), as vLLM V0's --swap-space
     kv_offload_space: float = 0.0              # GiB; 0: no host tier
     kv_offload_write_policy: str = "write_through"   # or "write_back" (SGLang HiCache's names)
+    # Schedule step N+1 while step N's forward runs (engine/async_scheduler.py; vLLM's --async-scheduling)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -92,6 +94,22 @@ class EngineConfig:
         self._check_graphs()
         check_num_threads(self.num_threads)
         self._check_hierarchy()
+        self._check_async()
+
+    def _check_async(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if not self.async_scheduling:
+            return
+        conflicts = [(self.scheduling == "static", "scheduling='static' (the static baseline has no placeholders)"),
+                     (self.speculative_config is not None, "speculative_config (drafts for step N+1 are proposed "
+                      "from step N's tokens, which are not known when step N+1 is scheduled; not supported yet)"),
+                     (self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (the workers' message loop is one "
+                      "step at a time)"),
+                     (self.disaggregated, "disaggregated=True (each instance steps alone)")]
+        for bad, what in conflicts:
+            if bad:
+                raise ValueError(f"async_scheduling=True cannot go with {what}")
 
     def _check_hierarchy(self) -> None:
         for name, allowed in (("preemption_mode", PREEMPTION_MODES), ("kv_offload_write_policy", WRITE_POLICIES)):

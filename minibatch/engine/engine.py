@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 import weakref
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ import torch
 from minibatch.sampling import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
+from minibatch.engine.async_scheduler import AsyncScheduler
 from minibatch.engine.memory_hierarchy import MemoryHierarchy
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
@@ -99,7 +101,7 @@ class LLMEngine:
                     c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device)
         if p:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
-        sched = StaticScheduler if c.scheduling == "static" else Scheduler
+        sched = StaticScheduler if c.scheduling == "static" else AsyncScheduler if c.async_scheduling else Scheduler
         self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
         self._build_hierarchy(num_blocks)
         if p:
@@ -123,6 +125,11 @@ class LLMEngine:
         # The simulated clock (EngineConfig.simulate): the cost model times each step's trace; the engine only
         # stamps the result on it and keeps the running sum (a driver may move it forward to the next arrival).
         self.cost_model, self.simulated_time = c.cost_model(), 0.0
+        # Asynchronous scheduling's batch queue (vLLM V1's step_with_batch_queue, two deep): the step in flight,
+        # (its scheduler output, its prepared batch, the future of its forward on the model's thread).
+        self._in_flight = None
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="minibatch-model") if c.async_scheduling \
+            else None
 
     def _build_hierarchy(self, num_blocks: int) -> None:
         """The host pool, its tensor and the scheduler's memory hierarchy, when swapping or a host tier is asked for."""
@@ -205,13 +212,15 @@ class LLMEngine:
         req.metrics.finished_time = time.perf_counter()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- one iteration ------------------------------------------------------------
     # inference_mode, not no_grad (as vLLM's runner): tensors made here carry no version counter or view
     # tracking, a few per cent of a small model's step on a CPU. The KV cache, made outside, is written in place.
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self._model_thread is not None:
+            return self._step_async()
         t_start, cpu_start = time.perf_counter(), time.process_time()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
@@ -219,7 +228,9 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could schedule nothing while requests wait: the cache or the "
                                    "token budget is too small for any of them")
             return []
+        t_scheduled = time.perf_counter()
         runner_output = self.model_runner.execute(scheduler_output)
+        t_executed = time.perf_counter()
         changed, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:       # only when a request asked
             logprobs.record(scheduler_output, runner_output)
@@ -230,9 +241,18 @@ class LLMEngine:
             self.proposer.propose([s for s in self.scheduler.running if s.is_decoding], runner_output,
                                   scheduler_output)
         t_propose = time.perf_counter() - t_propose
+        return self._after_update(scheduler_output, runner_output, changed, finished, t_start, cpu_start, t_propose,
+                                  {"schedule_span": (t_start, t_scheduled), "forward_span": (t_scheduled, t_executed),
+                                   "update_span": (t_executed, time.perf_counter())})
+
+    def _after_update(self, scheduler_output, runner_output, changed, finished, t_start, cpu_start, t_propose,
+                      spans=None) -> list[RequestOutput]:
+        """The step's trace to every hook (and on the simulated clock), its outputs; finished requests forgotten."""
         if self.hooks or self.cost_model is not None:
             trace = make_trace(self, scheduler_output, runner_output, t_start, t_propose)
             trace.cpu_duration = time.process_time() - cpu_start
+            for name, span in (spans or {}).items():
+                setattr(trace, name, [span[0] - self.t0, span[1] - self.t0])
             if self.cost_model is not None:
                 trace.simulated_time = self.simulated_time
                 trace.simulated_duration = self.cost_model.step_time(trace)
@@ -246,3 +266,69 @@ class LLMEngine:
             if req.finished:                      # its final output is in hand: a server runs for ever
                 del self.requests[req.request_id]
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One turn of the batch queue: schedule N+1 (N's forward still running), sample N, resolve N's
+        placeholders, launch N+1's forward on the model's thread, then update with N while it runs. Returns step
+        N's outputs; N+1's come with the next call. An exception in a forward is raised by the call that waits
+        for it, as that step's error."""
+        sched, runner = self.scheduler, self.model_runner
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        if self._in_flight is not None and self._needs_grammar():
+            return self._drain()          # structured outputs: the next mask needs the grammar after step N
+        nxt = sched.schedule()
+        prepared = runner.prepare(nxt) if nxt.scheduled else None
+        t1 = time.perf_counter()
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            out, prep, future, t_sched, t_launch = done
+            result = future.result()                  # step N's forward (its error, if any, is raised here)
+            t_forward = getattr(future, "spans", (t_launch, time.perf_counter()))
+            runner_output = runner.finish(out, prep, result)
+            sched.resolve(out, runner_output)
+        if nxt.scheduled:
+            ids = [t for s in nxt.scheduled for t in s.input_token_ids]
+            self._in_flight = (nxt, prepared, self._launch(nxt, prepared, ids), (t0, t1), time.perf_counter())
+        elif done is None:
+            if sched.has_unfinished():
+                raise RuntimeError("the scheduler could schedule nothing while requests wait: the cache or the "
+                                   "token budget is too small for any of them")
+            return []
+        if done is None:
+            return []
+        t2 = time.perf_counter()
+        changed, finished = sched.update_from_output(out, runner_output)
+        if runner_output.logprobs or runner_output.prompt_logprobs:
+            logprobs.record(out, runner_output)
+        return self._after_update(out, runner_output, changed, finished, t_sched[0], cpu0, 0.0,
+                                  {"schedule_span": t_sched, "forward_span": t_forward,
+                                   "update_span": (t2, time.perf_counter())})
+
+    def _launch(self, out, prepared, ids):
+        def run():
+            start = time.perf_counter()
+            result = self.model_runner.launch(out, prepared, ids)
+            future.spans = (start, time.perf_counter())
+            return result
+        future = self._model_thread.submit(run)
+        return future
+
+    def _needs_grammar(self) -> bool:
+        return any(s.grammar is not None for s in self.scheduler.running)
+
+    def _drain(self) -> list[RequestOutput]:
+        """Finish the step in flight before anything else is scheduled (no overlap for this one)."""
+        out, prep, future, t_sched, t_launch = self._in_flight
+        self._in_flight = None
+        cpu0 = time.process_time()
+        result = future.result()
+        t_forward = getattr(future, "spans", (t_launch, time.perf_counter()))
+        runner_output = self.model_runner.finish(out, prep, result)
+        self.scheduler.resolve(out, runner_output)
+        t2 = time.perf_counter()
+        changed, finished = self.scheduler.update_from_output(out, runner_output)
+        if runner_output.logprobs or runner_output.prompt_logprobs:
+            logprobs.record(out, runner_output)
+        return self._after_update(out, runner_output, changed, finished, t_sched[0], cpu0, 0.0,
+                                  {"schedule_span": t_sched, "forward_span": t_forward,
+                                   "update_span": (t2, time.perf_counter())})

@@ -29,6 +29,8 @@ rule even that out; the tier's entries outlive the serials).
 """
 from __future__ import annotations
 
+import functools
+
 from minibatch.engine.sequence import SequenceStatus
 from minibatch.kv.block_pool import hash_block_tokens
 from minibatch.kv.host_pool import HostBlockPool
@@ -202,8 +204,10 @@ def add_arguments(p) -> None:
 
 
 def config_kwargs(args) -> dict:
-    return dict(preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                kv_offload_space=args.kv_offload_space, kv_offload_write_policy=args.kv_offload_write_policy)
+    get = functools.partial(getattr, args)
+    return dict(preemption_mode=get("preemption_mode", "recompute"), swap_space=get("swap_space", None),
+                kv_offload_space=get("kv_offload_space", 0.0),
+                kv_offload_write_policy=get("kv_offload_write_policy", "write_through"))
 
 
 def summary(engine) -> str:

@@ -81,18 +81,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out) -> ModelRunnerOutput:
-        # The memory hierarchy's copies, then copy-on-write, all before the forward and in this order: out to the
-        # host, back from it, within the device (engine/memory_hierarchy.py says why no copy then reads a block
-        # another one writes).
-        kv = self.kv_cache
-        if out.blocks_to_swap_out or out.blocks_to_offload:
-            kv.swap_out(out.blocks_to_swap_out + out.blocks_to_offload)
-        if out.blocks_to_swap_in or out.blocks_to_load:
-            kv.swap_in(out.blocks_to_swap_in + out.blocks_to_load)
-        if out.blocks_to_swap_out or out.blocks_to_offload or out.blocks_to_swap_in or out.blocks_to_load:
-            kv.wait_copies()                  # GPU: the forward's stream waits for the side stream's copies
-        if out.cow_copies:
-            kv.copy_blocks(out.cow_copies)
+        self._copies(out)
         if self._replayable(out):
             return self._execute_decode(out.scheduled)
         input_ids, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)
@@ -103,6 +92,33 @@ class ModelRunner:
         if self.proposer is not None and attn.metadata.tree_bits is None and any(s.spec_token_ids for s in out.scheduled):
             start = self.proposer.verify_start(out.scheduled, attn.metadata.slot_mapping, qsl)
         result = self._forward(input_ids, attn, logits_idx, start, batch, qsl)
+        return self._finish(out, attn, rows, qsl, result)
+
+    # -- the same step in three parts, for asynchronous scheduling (engine.py's batch queue) ---------------------
+    def prepare(self, out):
+        """The CPU's part before the forward: the flat batch's metadata. (The input tokens are read at ``launch``:
+        a decode's may be a placeholder until the step before is sampled.)"""
+        _, attn, logits_idx, rows, batch = self._prepare_inputs(out.scheduled, out.padding)
+        return attn, logits_idx, rows, batch
+
+    @torch.inference_mode()
+    def launch(self, out, prepared, input_ids: list):
+        """The model's part (a worker thread runs it while the CPU updates the step before): the step's copies,
+        then the forward. Tensors only: it reads no sequence."""
+        attn, logits_idx, _, batch = prepared
+        self._copies(out)
+        return self._forward(input_ids, attn, logits_idx, None, batch, None)
+
+    @torch.inference_mode()
+    def finish(self, out, prepared, result) -> ModelRunnerOutput:
+        """The CPU's part after the forward: the sampler (on the CPU thread: it reads the sequences)."""
+        attn, _, rows, _ = prepared
+        qsl = [0]
+        for n in attn.metadata.query_lens_list:
+            qsl.append(qsl[-1] + n)
+        return self._finish(out, attn, rows, qsl, result)
+
+    def _finish(self, out, attn, rows, qsl, result) -> ModelRunnerOutput:
         logits, hidden = result if self.hidden_states else (result, {})
         logits = self._process(logits, out.scheduled, rows)
         sampled, accepted, forked, paths = self._sample(out.scheduled, logits, rows)
@@ -112,6 +128,20 @@ class ModelRunner:
         result = ModelRunnerOutput(sampled, accepted, forked, hidden, rows, qsl, paths)
         self._logprobs(result, out.scheduled, logits)
         return result
+
+    def _copies(self, out) -> None:
+        """The memory hierarchy's copies, then copy-on-write, all before the forward and in this order: out to the
+        host, back from it, within the device (engine/memory_hierarchy.py says why no copy then reads a block
+        another one writes)."""
+        kv = self.kv_cache
+        if out.blocks_to_swap_out or out.blocks_to_offload:
+            kv.swap_out(out.blocks_to_swap_out + out.blocks_to_offload)
+        if out.blocks_to_swap_in or out.blocks_to_load:
+            kv.swap_in(out.blocks_to_swap_in + out.blocks_to_load)
+        if out.blocks_to_swap_out or out.blocks_to_offload or out.blocks_to_swap_in or out.blocks_to_load:
+            kv.wait_copies()                  # GPU: the forward's stream waits for the side stream's copies
+        if out.cow_copies:
+            kv.copy_blocks(out.cow_copies)
 
     @staticmethod
     def _process(logits, scheduled, rows):

@@ -60,6 +60,9 @@ class ScheduledSeq:
     block_table: list = field(default_factory=list)       # its physical blocks, for the model runner
     spec_token_ids: list = field(default_factory=list)    # the drafts among the new tokens
     spec_parents: Optional[list] = None                    # a token tree over [root] + spec_token_ids, else None
+    placeholder_index: Optional[int] = None                # asynchronous scheduling: where its sampled token goes
+                                                           # (the placeholder is appended once scheduled, so
+                                                           # ``samples`` is then fixed as it was before)
 
     @property
     def input_token_ids(self) -> list:
@@ -70,6 +73,8 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Does this chunk reach the end of the sequence? Then its last 1 + k rows are sampled/verified."""
+        if self.placeholder_index is not None:
+            return True
         return self.num_computed_before + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq)
 
 
@@ -352,8 +357,8 @@ class Scheduler(SchedulerBase):
             seq = self.waiting.peek()
             if self._seats(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:   # n > 1: n seats
                 break
-            if not self.allocator.can_allocate(seq.token_ids):
-                break                                         # head of line waits: no starvation under FCFS
+            if seq.num_output_placeholders or not self.allocator.can_allocate(seq.token_ids):
+                break            # head of line waits (no starvation under FCFS); a token in flight first lands
             self._start(seq, out)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, seq.phase))

@@ -80,6 +80,8 @@ class Sequence:
     num_preemptions: int = 0                 # preempted by recompute (its K/V thrown away)
     num_swaps: int = 0                       # preempted by swapping (its K/V kept in host memory)
     num_forks_pending: int = 0               # n > 1: children to fork off once the prompt is computed
+    num_output_placeholders: int = 0         # asynchronous scheduling: tokens at the end of token_ids that a step
+                                             # in flight is still sampling (engine/async_scheduler.py)
     spec_token_ids: list = field(default_factory=list)        # drafts for the next step to verify
     spec_probs: Optional[torch.Tensor] = None                 # [len(spec_token_ids), V] draft q; None = one-hot
     spec_parents: Optional[list] = None                       # a token tree: parents of [root] + drafts
@@ -115,10 +117,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The tokens sampled so far (without the placeholders of a step in flight)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_output_placeholders]
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens, placeholders included (what max_tokens counts)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     def __len__(self) -> int:
