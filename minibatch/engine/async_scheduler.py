@@ -37,6 +37,7 @@ import time
 from minibatch.engine.scheduler import Scheduler, SchedulerOutput
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.sampling.sampler import find_stop
+from minibatch.sampling.structured.matcher import advance
 
 PLACEHOLDER = -1                 # a token id no model has: reading one before it is resolved fails loudly
 
@@ -76,6 +77,7 @@ class AsyncScheduler(Scheduler):
         for i, s in enumerate(out.scheduled):
             seq, toks = s.seq, runner_output.sampled_token_ids[i]
             if seq.is_finished:                  # stopped a step ago, or aborted: its extra token is dropped
+                runner_output.sampled_token_ids[i] = []          # (and the trace shows none appended)
                 continue
             known = s.num_computed_before + s.num_new_tokens     # computed, and no placeholder among them
             if self.allocator.has_seq(seq.seq_id):               # (a sequence preempted since holds no blocks)
@@ -85,9 +87,14 @@ class AsyncScheduler(Scheduler):
                     self.hierarchy.offload(self.allocator, seq)
             if not toks:                                          # mid-prefill: nothing sampled yet
                 continue
+            ended = None
+            if seq.grammar is not None:       # (no step was in flight for it: the engine drained first)
+                kept, ended = advance(seq.grammar, toks[:1])
+                if not kept:                  # the grammar had ended before this token: it is not kept
+                    del seq.token_ids[s.placeholder_index]
             if seq.num_forks_pending:
                 finished += self._fork_known(seq, runner_output.forked_token_ids[i])
-            finished += self._check_stop(seq)
+            finished += self._check_stop(seq, ended)
             changed[seq.request_id] = seq.request
         now = time.perf_counter()
         for req in changed.values():
@@ -97,16 +104,22 @@ class AsyncScheduler(Scheduler):
                 req.metrics.finished_time = now
         return list(changed.values()), finished
 
-    def _check_stop(self, seq: Sequence) -> list:
-        """Stop strings, EOS and max_tokens over the tokens known; a finished sequence drops its placeholders."""
+    def _check_stop(self, seq: Sequence, ended=None) -> list:
+        """Stop strings, EOS, the grammar's end and max_tokens over the tokens known (in the synchronous
+        scheduler's order); a finished sequence drops its placeholders."""
         out = seq.output_token_ids
         cut = find_stop(out, seq.params.stop, seq.params.stop_token_ids)
-        if cut is None and len(out) < seq.params.max_tokens:
+        if cut is not None:
+            reason, keep = "stop", cut
+        elif ended is not None:
+            reason, keep = ended, len(out)
+        elif len(out) >= seq.params.max_tokens:
+            reason, keep = "length", seq.params.max_tokens
+        else:
             return []
-        keep = seq.num_prompt_tokens + (cut if cut is not None else seq.params.max_tokens)
-        del seq.token_ids[keep:]                                  # the late step's token(s) never emitted
+        del seq.token_ids[seq.num_prompt_tokens + keep:]          # the late step's token(s) never emitted
         seq.num_output_placeholders = 0
-        self.finish(seq, "stop" if cut is not None else "length")
+        self.finish(seq, reason)
         return [seq]
 
     def _fork_known(self, parent: Sequence, first_tokens: list) -> list:

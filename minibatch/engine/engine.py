@@ -282,8 +282,7 @@ class LLMEngine:
         done, self._in_flight = self._in_flight, None
         if done is not None:
             out, prep, future, t_sched, t_launch = done
-            result = future.result()                  # step N's forward (its error, if any, is raised here)
-            t_forward = getattr(future, "spans", (t_launch, time.perf_counter()))
+            result, t_forward = future.result()       # step N's forward (its error, if any, is raised here)
             runner_output = runner.finish(out, prep, result)
             sched.resolve(out, runner_output)
         if nxt.scheduled:
@@ -305,13 +304,12 @@ class LLMEngine:
                                    "update_span": (t2, time.perf_counter())})
 
     def _launch(self, out, prepared, ids):
+        """Step N+1's copies and forward on the model's thread; its future gives (result, (start, end))."""
         def run():
             start = time.perf_counter()
             result = self.model_runner.launch(out, prepared, ids)
-            future.spans = (start, time.perf_counter())
-            return result
-        future = self._model_thread.submit(run)
-        return future
+            return result, (start, time.perf_counter())
+        return self._model_thread.submit(run)
 
     def _needs_grammar(self) -> bool:
         return any(s.grammar is not None for s in self.scheduler.running)
@@ -321,8 +319,7 @@ class LLMEngine:
         out, prep, future, t_sched, t_launch = self._in_flight
         self._in_flight = None
         cpu0 = time.process_time()
-        result = future.result()
-        t_forward = getattr(future, "spans", (t_launch, time.perf_counter()))
+        result, t_forward = future.result()
         runner_output = self.model_runner.finish(out, prep, result)
         self.scheduler.resolve(out, runner_output)
         t2 = time.perf_counter()
