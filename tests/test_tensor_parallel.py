@@ -55,13 +55,13 @@ def test_split_linear_layers_sum_to_the_whole():
 
 
 def test_bad_sizes_are_clear_errors_before_any_process_starts(target_model):
-    with pytest.raises(ValueError, match=r"does not split target's 4 query heads and 4 K/V heads.*one of \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"does not divide the model's 4 attention heads.*one of \[1, 2, 4\]"):
         LLM(target_model, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLM(target_model, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="drafts inside the target's KV cache"):
         LLM(target_model, tensor_parallel_size=2, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="does not split"):
+    with pytest.raises(ValueError, match="does not divide"):
         shard_gpt(target_model, 0, 8)
 
 

@@ -66,12 +66,16 @@ def check_tp_size(config, world: int) -> None:
                              f"{sorted(SHARDERS)}: use tensor_parallel_size=1")
         return
     H, Hkv = config.n_head, config.num_kv_heads
-    if not _splits(H, Hkv, world):
-        raise ValueError(f"tensor_parallel_size={world} does not split {config.name}'s {H} query heads and {Hkv} "
-                         f"K/V heads: each rank holds whole query heads (a divisor of {H}) and either whole K/V "
-                         f"groups (a divisor of {Hkv}) or one K/V head replicated on tensor_parallel_size / {Hkv} "
-                         f"ranks (a multiple of {Hkv}); choose one of "
-                         f"{[d for d in range(1, H + 1) if _splits(H, Hkv, d)]}")
+    if _splits(H, Hkv, world):
+        return
+    sizes = [d for d in range(1, H + 1) if _splits(H, Hkv, d)]
+    if H == Hkv:                                   # multi-head attention: a K/V head per query head
+        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {H} attention heads "
+                         f"({config.name}): each rank must hold whole heads; choose one of {sizes}")
+    raise ValueError(f"tensor_parallel_size={world} does not split {config.name}'s {H} query heads and {Hkv} "
+                     f"K/V heads: each rank holds whole query heads (a divisor of {H}) and either whole K/V "
+                     f"groups (a divisor of {Hkv}) or one K/V head replicated on tensor_parallel_size / {Hkv} "
+                     f"ranks (a multiple of {Hkv}); choose one of {sizes}")
 
 
 class ParallelAttention(nn.Module):
