@@ -8,6 +8,11 @@ file and the line, and on any circle between modules, even inside one room.
 
 Where a lower room needs something from above, pass it in (the engine builds the proposer; the runner hands
 the sampler in), or move the driver up (benchmarks' ``main()``s live in ``bench/``).
+
+A room's own command line (``minibatch/perf/__main__.py``: ``python -m minibatch.perf``) is that room's, and
+points down like the rest of it: were it a room of its own at the top, ``perf/__main__.py`` importing
+``bench`` would hide the circle bench -> engine -> perf -> bench inside one package (issue 47, item 8). Only
+``python -m minibatch`` itself (``minibatch/__main__.py``) and the package's public names stand above all.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ STACK = [
     "export",        # the weights as a Hugging Face directory
     "slides",        # reveal.js decks of the notebooks
     "bench",         # workloads, benchmarks, demos, calibration: they drive engines
-    "commands",      # `python -m ...` entry points (every __main__.py) and the package's public names
+    "commands",      # `python -m minibatch` (minibatch/__main__.py) and the package's public names
 ]
 HEIGHT = {room: i for i, room in enumerate(STACK)}
 
@@ -59,9 +64,9 @@ def room(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "kernels":
         return "kernels"
-    if parts[-1] == "__main__" or module == "minibatch":
+    if module in ("minibatch", "minibatch.__main__"):
         return "commands"
-    return parts[1]
+    return parts[1]                     # minibatch.X.__main__ too: `python -m minibatch.X` is room X's command
 
 
 def _type_checking_nodes(tree: ast.AST) -> set:
@@ -188,6 +193,17 @@ def test_the_parser_sees_every_kind_of_import(tmp_path, source, climbs):
     found = imports("minibatch.kv.x", p, MODULES)
     up = [t for _, t in found if HEIGHT[room(t)] > HEIGHT["kv"]]
     assert bool(up) == climbs, found
+
+
+def test_a_rooms_command_line_is_held_to_its_room(tmp_path):
+    """``python -m minibatch.perf`` is perf's: reaching up to bench from it is a climb (the circle bench ->
+    engine -> perf -> bench); ``python -m minibatch`` and ``python -m minibatch.bench`` may run anything below."""
+    assert (room("minibatch.perf.__main__"), room("minibatch.bench.__main__"), room("minibatch.__main__")) == \
+        ("perf", "bench", "commands")
+    p = tmp_path / "__main__.py"
+    p.write_text("def main():\n    from minibatch.bench.calibrate import main as run\n")
+    found = imports("minibatch.perf.__main__", p, MODULES)
+    assert {t for _, t in found if HEIGHT[room(t)] > HEIGHT["perf"]} == {"minibatch.bench.calibrate"}
 
 
 def test_the_circle_finder_finds_circles():

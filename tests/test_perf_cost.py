@@ -87,6 +87,29 @@ def test_tensor_parallel_splits_the_weights():
     assert any(b["bound"] == "link" for b in two.breakdown(trace([(1, 10)])))
 
 
+def test_tensor_parallel_past_the_kv_heads_prices_the_replicated_kv_bytes():
+    """vLLM's rule: a rank holds max(1, n_kv / tp) K/V heads. At tp = 4 a model of 2 K/V heads holds one per
+    rank (each replicated on 2 ranks): per rank, the cache it reads and writes, its k/v weights and the KV
+    pool's block size are those of a model with 4 K/V heads (no GQA) at tp = 4, not half of them; at tp = 2
+    they are half. The query side (FLOPs, q and o weights) splits tp ways in both."""
+    gqa = ModelProfile("gqa", 2, 256, 4, 2, 64, 512, 100, 2)
+    mha = ModelProfile("mha", 2, 256, 4, 4, 64, 512, 100, 2)
+    hw = get_hardware("h100")
+    long_decode = trace([(1, 4000), (1, 3000)])
+    for tp, same in ((4, True), (2, False)):
+        ops = [{b["op"]: b for b in CostModel(hw, m, tp=tp).breakdown(long_decode)} for m in (gqa, mha)]
+        for op in ("qkv", "attention"):
+            assert (ops[0][op]["bytes"] == ops[1][op]["bytes"]) == same, (tp, op)
+        assert ops[0]["attention"]["flops"] == ops[1]["attention"]["flops"]       # query heads: split tp ways
+        kv_read = [o["attention"]["bytes"] for o in ops]
+        assert same or kv_read[0] == pytest.approx(kv_read[1] / 2, rel=0.01)      # the K/V read dominates
+    # the KV pool: one block costs a rank the same at tp = 4 whatever n_kv <= 4; at tp = 2 GQA halves it
+    b4 = [CostModel(hw, m, tp=4).num_gpu_blocks(16) for m in (gqa, mha)]
+    b2 = [CostModel(hw, m, tp=2).num_gpu_blocks(16) for m in (gqa, mha)]
+    assert b4[0] == b4[1] and b2[0] == pytest.approx(2 * b2[1], rel=1e-3)
+    assert CostModel(hw, gqa, tp=4).num_gpu_blocks(16) < 2 * CostModel(hw, gqa, tp=2).num_gpu_blocks(16)
+
+
 def test_bad_specs_name_the_choices():
     assert parse_simulate("2xh100:llama-3-70b:llama-3-8b") == ("h100", 2, "llama-3-70b", "llama-3-8b")
     with pytest.raises(ValueError, match="malformed simulate"):

@@ -127,6 +127,26 @@ def test_calibrate_measures_this_machine():
     assert prof.peak_flops["fp32"] > 1e8 and prof.mem_bandwidth > 1e8 and 0 < prof.launch_overhead < 1e-3
 
 
+def test_the_clocks_command_lines_bench_measures_perf_lists(capsys, tmp_path):
+    """Calibration and validation drive engines, so they are bench commands (issue 47, item 8: perf's command
+    line reached up to bench); ``python -m minibatch.perf`` lists the profiles and names the move."""
+    from minibatch.bench.run import main as bench
+    from minibatch.perf.__main__ import main as perf
+    for cmd in ("calibrate", "validate"):
+        with pytest.raises(SystemExit) as e:
+            bench([cmd, "--help"])
+        assert e.value.code == 0 and f"python -m minibatch.bench {cmd}" in capsys.readouterr().out
+        assert perf([cmd]) == 2 and f"`python -m minibatch.bench {cmd}`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                  # a file that is not a profile: its reason, exit 2
+        bench(["validate", "--profile", str(tmp_path / "absent.json")])
+    assert e.value.code == 2 and "no calibration file" in capsys.readouterr().err
+    assert perf(["profiles"]) == 0
+    out = capsys.readouterr().out
+    assert "h100" in out and "llama-3-8b" in out and "sources of the hardware numbers" in out
+    with pytest.raises(SystemExit):
+        perf(["nonsense"])
+
+
 def test_ideal_fcfs_slot_schedule_by_hand():
     # slots 2: [5] in slot A; 1, 1, 1 one after the other in slot B -> the run drains at step 5
     assert fcfs_schedule_steps([5, 1, 1, 1], 2) == 5 and static_steps([5, 1, 1, 1], 2) == 6

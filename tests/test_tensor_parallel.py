@@ -9,8 +9,8 @@ import torch
 from minibatch import LLM, SamplingParams
 from minibatch.distributed.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from minibatch.distributed.tp_engine import WorkerDied
-from minibatch.distributed.tp_model import shard_gpt, shard_llama
-from minibatch.model.llama import Llama, LlamaConfig
+from minibatch.distributed.tp_model import shard_gpt, shard_llama, tp_head_layout
+from minibatch.model.weights import load_model
 from minibatch.model.model import DenseAttention
 from minibatch.trace import TraceRecorder
 
@@ -55,7 +55,7 @@ def test_split_linear_layers_sum_to_the_whole():
 
 
 def test_bad_sizes_are_clear_errors_before_any_process_starts(target_model):
-    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+    with pytest.raises(ValueError, match=r"does not divide the model's 4 attention heads.*one of \[1, 2, 4\]"):
         LLM(target_model, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLM(target_model, tensor_parallel_size=0)
@@ -140,29 +140,71 @@ def test_the_heads_figure_matches_the_split(target_model):
         head_owner(0, 4, 3)
 
 
-def test_the_llama_splits_by_kv_groups_and_tp2_equals_tp1():
-    """Grouped-query attention split by K/V groups: rank r holds K/V head r and its query heads 2r, 2r+1
-    (HF's repeat_kv layout), a cache of Hkv / W heads; a mixed batch with prefix hits and preemption gives
-    tp=1's tokens. A second K/V-group layout bug (query heads of another group on a rank) would change them."""
-    torch.manual_seed(0)
-    llama = Llama(LlamaConfig("tiny-llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128,
-                              n_ctx=256)).eval()
-    shard = shard_llama(llama, 1, 2)
+# -- the Llama, by K/V groups (vLLM's rule: Hkv / W K/V heads a rank, or one replicated on W / Hkv ranks) ----------
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("llama", device="cpu")      # the shipped tiny Llama: 4 query heads, 2 K/V heads
+
+
+def test_the_llama_heads_are_assigned_as_vllm_does_and_sizes_that_do_not_split_are_refused(llama):
+    """(num_heads, num_kv_heads, num_kv_head_replicas) per rank, and the rows each rank's shard actually holds:
+    rank r's query head(s) r·H/W .., and K/V head r // (W / Hkv) (replicas are consecutive ranks)."""
+    assert [tp_head_layout(4, 2, w) for w in (1, 2, 4)] == [(4, 2, 1), (2, 1, 1), (1, 1, 2)]
+    assert tp_head_layout(32, 8, 2) == (16, 4, 1) and tp_head_layout(64, 8, 16) == (4, 1, 2)
     D = llama.config.head_dim
-    full_attn, part = llama.layers[0].self_attn, shard.layers[0].self_attn
-    assert torch.equal(part.q_proj.weight, full_attn.q_proj.weight[2 * D:4 * D])       # query heads 2, 3
-    assert torch.equal(part.k_proj.weight, full_attn.k_proj.weight[D:2 * D])           # their K/V head 1
-    with pytest.raises(ValueError, match="does not divide the model's 2 K/V heads"):
-        LLM(llama, tensor_parallel_size=4)
-    params = SamplingParams(temperature=0, max_tokens=30)
-    kw = dict(max_num_seqs=6, num_gpu_blocks=14, block_size=8, max_num_batched_tokens=64)
-    one = LLM(llama, **kw)
-    rec_one = _recorded(one)
-    want = _tokens(one, params)
-    assert one.llm_engine.allocator.hits > 0 and _preemptions(rec_one) > 0
-    two = LLM(llama, tensor_parallel_size=2, **kw)
+    full = llama.layers[0].self_attn
+    for world, kv_of_rank in ((2, [0, 1]), (4, [0, 0, 1, 1])):
+        q_per_rank = 4 // world
+        for r in range(world):
+            part = shard_llama(llama, r, world).layers[0].self_attn
+            assert torch.equal(part.q_proj.weight, full.q_proj.weight[r * q_per_rank * D:(r + 1) * q_per_rank * D])
+            g = kv_of_rank[r]
+            assert torch.equal(part.k_proj.weight, full.k_proj.weight[g * D:(g + 1) * D])
+            assert torch.equal(part.v_proj.weight, full.v_proj.weight[g * D:(g + 1) * D])
+            assert torch.equal(part.o_proj.weight, full.o_proj.weight[:, r * q_per_rank * D:(r + 1) * q_per_rank * D])
+    for bad in (3, 8):                            # 3 divides neither; 8 would leave a rank without a query head
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size={bad} does not split llama's 4 query heads "
+                                             rf"and 2 K/V heads.*choose one of \[1, 2, 4\]"):
+            LLM(llama, tensor_parallel_size=bad)
+
+
+# A shared prefix (prefix-cache hits), a token budget of 32 (long prompts prefill in chunks) and a pool of 12
+# blocks of 8 for 6 requests of ~42 + 16 tokens (preemption): every path the driver must replay on its workers.
+SHARED = "import os\nimport sys\n\ndef main():\n"
+LLAMA_PROMPTS = [SHARED + s for s in ("    ", "    x = ", "    for i in ", "    print(", "    return ", "    if ")]
+LLAMA_KW = dict(max_num_seqs=6, num_gpu_blocks=12, block_size=8, max_num_batched_tokens=32)
+
+
+def _chunked(rec: TraceRecorder) -> int:
+    return sum(1 for t in rec.traces for s in t.scheduled
+               if s.phase != "decode" and s.num_computed_before + s.num_tokens < s.num_prompt_tokens)
+
+
+@pytest.fixture(scope="module")
+def llama_one(llama):
+    """One process: the tokens, the counts of each path taken, and the engine (its cache is the reference)."""
+    one = LLM(llama, **LLAMA_KW)
+    rec = _recorded(one)
+    tokens = _tokens(one, SamplingParams(temperature=0, max_tokens=16), LLAMA_PROMPTS)
+    counts = (one.llm_engine.allocator.hits, _preemptions(rec), _chunked(rec))
+    assert min(counts) > 0, counts                # the workload takes every path, or the test below proves less
+    return tokens, counts, one
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_llama_at_tp_2_and_4_equals_one_process(llama, llama_one, tp):
+    """tp=2: a K/V head a rank; tp=4: each K/V head replicated on two ranks, one query head each. Greedy tokens
+    equal one process's, through the same prefix hits, chunks and preemptions; rank 0's cache holds K/V head 0
+    only, [layers, 2, blocks, block_size, 1, D], the one-process cache's head-0 slice (to float rounding: the
+    all-reduces sum in another order). A rank holding another group's K/V, or the wrong replica, changes tokens."""
+    want, counts, one = llama_one
+    eng = LLM(llama, tensor_parallel_size=tp, **LLAMA_KW)
+    rec = _recorded(eng)
     try:
-        assert _tokens(two, params) == want
-        assert two.llm_engine.kv_cache.kv.shape[-2] == 1                                # one K/V head per rank
+        assert _tokens(eng, SamplingParams(temperature=0, max_tokens=16), LLAMA_PROMPTS) == want
+        assert (eng.llm_engine.allocator.hits, _preemptions(rec), _chunked(rec)) == counts
+        kv, ref = eng.llm_engine.kv_cache.kv, one.llm_engine.kv_cache.kv
+        assert kv.shape == ref.shape[:4] + (1, llama.config.head_dim)
+        torch.testing.assert_close(kv, ref[..., 0:1, :], atol=1e-4, rtol=1e-4)
     finally:
-        two.llm_engine.shutdown()
+        eng.llm_engine.shutdown()

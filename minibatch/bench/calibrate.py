@@ -1,4 +1,4 @@
-"""This machine's hardware profile, measured, not typed:  python -m minibatch.perf calibrate [--out FILE]
+"""This machine's hardware profile, measured, not typed:  python -m minibatch.bench calibrate [--out FILE]
 
 Three microbenchmarks, each the best of several runs (noise only slows):
 
@@ -16,7 +16,7 @@ CPU step times (``StepTrace.cpu_duration``) are fitted, by least squares of rela
 roofline + launches x op overhead + b + c x rows + e x tokens, with ``step_overhead`` = b,
 ``row_overhead`` = c and ``token_overhead`` = e (each clipped at >= 0). (The launches per step hardly
 vary, so they could not be told apart from b: the op overhead stays the microbenchmark's.)
-The validation bench (``python -m minibatch.perf validate``) then checks the profile on a *different*
+The validation bench (``python -m minibatch.bench validate``) then checks the profile on a *different*
 workload: prefill chunks, decode batches of 1-32 rows, verify steps and token trees.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def calibrate(name: str = "this-machine", fit: bool = True) -> HardwareProfile:
     from minibatch.perf.models import get_model
     from minibatch.model.weights import load_model
     flops, bw, op = measure_flops(), measure_bandwidth(), measure_op_overhead()
-    src = f"measured by python -m minibatch.perf calibrate ({os.cpu_count()} CPUs, torch {torch.__version__}, " \
+    src = f"measured by python -m minibatch.bench calibrate ({os.cpu_count()} CPUs, torch {torch.__version__}, " \
           f"{torch.get_num_threads()} threads)"
     prof = HardwareProfile(name, {"fp32": flops}, bw, 16e9, op, sources={
         "peak_flops": src + ": best fp32 matmul of the shipped model's shapes",
@@ -120,7 +120,7 @@ def calibrate(name: str = "this-machine", fit: bool = True) -> HardwareProfile:
 
 def main(argv=None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m minibatch.perf calibrate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minibatch.bench calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/perf/this-machine.json", help="where to write the profile (JSON)")
     ap.add_argument("--no-fit", action="store_true", help="microbenchmarks only (no calibration run of the engine)")

@@ -11,6 +11,8 @@
     python -m minibatch.bench serve        Poisson load on a running `python -m minibatch serve`
     python -m minibatch.bench disagg       colocated vs disaggregated prefill/decode: TTFT and TPOT under load
     python -m minibatch.bench profile      where a full-batch decode step's time goes, per attention backend
+    python -m minibatch.bench calibrate    this machine's hardware profile for the simulated clock, measured
+    python -m minibatch.bench validate     the simulated clock's predicted step times against measured ones
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -186,7 +188,8 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
           "peers": "minibatch.bench.peers", "vllm": "minibatch.bench.vllm_peer", "online": "minibatch.bench.online",
           "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
-          "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile"}
+          "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile",
+          "calibrate": "minibatch.bench.calibrate", "validate": "minibatch.bench.validate"}
 
 
 PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)
@@ -204,8 +207,8 @@ def main(argv=None):
     if argv and argv[0] in OTHERS:
         if argv[0] in PEERS and known.threads is not None:   # theirs sets both sides' threads: hand it on
             argv += ["--threads", str(known.threads)]
-        importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
-        return 0
+        code = importlib.import_module(OTHERS[argv[0]]).main(argv[1:])
+        return code if isinstance(code, int) else 0       # an exit status; some mains return their figures
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["batching", "speculative", *OTHERS])
     ap.add_argument("--device", default=None)

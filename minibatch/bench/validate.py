@@ -1,6 +1,6 @@
 """Is the cost model right? Predicted against measured step times on this CPU, per step kind.
 
-    python -m minibatch.perf validate [--profile out/perf/this-machine.json] [--small]
+    python -m minibatch.bench validate [--profile out/perf/this-machine.json] [--small]
 
 Runs the real engine on a workload that mixes what a serving step can be, records every step, and
 compares each step's measured CPU time (``cpu_duration``: ``duration`` without the waits of a machine shared
@@ -83,35 +83,20 @@ def main(argv=None) -> int:
     from minibatch.perf.cost import CostModel
     from minibatch.perf.hardware import load_profile
     from minibatch.perf.models import get_model
-    ap = argparse.ArgumentParser(prog="python -m minibatch.perf validate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minibatch.bench validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=None, help="a calibration file (default: calibrate now)")
     ap.add_argument("--small", action="store_true", help="a shorter workload (CI)")
     args = ap.parse_args(argv)
-    prof = load_profile(args.profile) if args.profile else calibrate()
+    try:
+        prof = load_profile(args.profile) if args.profile else None
+    except ValueError as e:                       # not a calibration file: its own message, and the usage
+        ap.error(str(e))
+    prof = prof or calibrate()
     print(f"profile {prof.name}: {prof.peak_flops['fp32'] / 1e9:.1f} GFLOP/s fp32, {prof.mem_bandwidth / 1e9:.1f} GB/s, "
           f"launch {prof.launch_overhead * 1e6:.1f} us, step {prof.step_overhead * 1e3:.2f} ms, "
           f"row {prof.row_overhead * 1e6:.0f} us")
     errs = errors(validation_traces(args.small), CostModel(prof, get_model("target"), get_model("draft")))
     print("relative error of each step's predicted time against its measured CPU time (this machine):")
     print(format_errors(errs))
-    return 0
-
-
-def profiles_main(argv=None) -> int:
-    from minibatch.perf.hardware import PROFILES
-    from minibatch.perf.models import get_model, model_names
-    print(f"{'hardware':<9} {'bf16 TFLOP/s':>12} {'fp32 TFLOP/s':>12} {'TB/s':>6} {'GB':>5} {'ridge FLOP/B':>12}")
-    for h in PROFILES.values():
-        print(f"{h.name:<9} {h.flops('bf16') / 1e12:>12.1f} {h.flops('fp32') / 1e12:>12.1f} "
-              f"{h.mem_bandwidth / 1e12:>6.2f} {h.mem_capacity / 1e9:>5.0f} {h.ridge('bf16'):>12.0f}")
-    print(f"\n{'model':<13} {'params':>8} {'weights GB':>10} {'KV KB/token':>11}  source")
-    for n in model_names():
-        m = get_model(n)
-        print(f"{n:<13} {m.num_params / 1e9:>7.3f}B {m.weight_bytes / 1e9:>10.3f} {m.kv_bytes_per_token / 1024:>11.1f}  "
-              f"{m.source}")
-    print("\nsources of the hardware numbers:")
-    for h in PROFILES.values():
-        for k, v in h.sources.items():
-            print(f"  {h.name}.{k}: {v}")
     return 0

@@ -2,8 +2,9 @@
 
 The driver (rank 0, the process that built the ``LLM``) runs the whole engine as usual: scheduler, block
 allocator, block tables, sampling, speculation. Only the model and the KV cache are split (``tp_model.py``):
-rank r holds heads r·H/W .. and a KV cache of those heads, **with the same blocks**, so one block table
-serves every rank. The workers (ranks 1 .. W-1, one process each) hold no engine at all; each loops:
+rank r holds heads r·H/W .. and a KV cache of their K/V heads (the Llama's max(1, Hkv/W), replicated past
+Hkv ranks), **with the same blocks**, so one block table serves every rank. The workers (ranks 1 .. W-1,
+one process each) hold no engine at all; each loops:
 
     receive one message from the driver  ->  do what it says on its own shard  ->  (all-reduces inside)
 
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from minibatch.distributed import comm
-from minibatch.distributed.tp_model import check_tp_size, shard_model
+from minibatch.distributed.tp_model import check_tp_size, shard_model, tp_head_layout
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT, DenseAttention
@@ -270,10 +271,11 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
 
 def start(model: GPT, engine_config, num_cache_blocks: int):
     """The engine's way in: workers launched, and the driver's (TPModel, TPKVCache, TPGroup).
-    Rank 0's cache has the same blocks as every rank's, and its own H / W heads."""
+    Rank 0's cache has the same blocks as every rank's, and its own max(1, Hkv / W) K/V heads."""
     mc, world = model.config, engine_config.tensor_parallel_size
     check_tp_size(mc, world)                   # before any process starts
-    shape = (mc.n_layer, num_cache_blocks, engine_config.block_size, mc.num_kv_heads // world, mc.head_dim)
+    _, num_kv_heads, _ = tp_head_layout(mc.n_head, mc.num_kv_heads, world)     # past Hkv: one, replicated
+    shape = (mc.n_layer, num_cache_blocks, engine_config.block_size, num_kv_heads, mc.head_dim)
     tp_model, group = launch(model, world, shape)
     cache = TPKVCache(*shape, dtype=model.dtype, device=model.device)
     cache.group = group

@@ -17,15 +17,20 @@ vocabulary for big vocabularies: VocabParallelEmbedding / ParallelLMHead.)
 Every rank thus runs ``GPT.forward`` unchanged; only the modules inside the blocks differ. Two all-reduces of
 [T, C] per block: 2 · L · T · C · bytes cross the wire each forward (minibatch/distributed/README.md counts them).
 
-**The Llama, by K/V groups.** With grouped-query attention, query heads g·H/Hkv .. (g+1)·H/Hkv - 1 read K/V
-head g (Hugging Face's ``repeat_kv`` layout). A rank must hold whole groups, so that every query head it
-holds finds its K/V head in its own cache: rank r holds K/V heads r·Hkv/W .. (r+1)·Hkv/W - 1 and their query
-heads r·H/W .. (r+1)·H/W - 1, and ``tensor_parallel_size`` must divide Hkv. (vLLM also accepts W > Hkv by
-*replicating* each K/V head on W/Hkv ranks, which costs that much more cache; not built here.) q_proj,
-k_proj, v_proj are column-parallel at those boundaries, o_proj row-parallel; the SwiGLU MLP's gate_proj and
-up_proj column-parallel (F/W units each: silu(gate)·up is elementwise, so local), down_proj row-parallel.
-RMSNorm, the embedding and the tied head are replicated; RoPE is per head, so local. Still two all-reduces of
-[T, C] per layer.
+**The Llama, by K/V groups** (vLLM's ``QKVParallelLinear``). With grouped-query attention, query heads
+g·H/Hkv .. (g+1)·H/Hkv - 1 read K/V head g (Hugging Face's ``repeat_kv`` layout). Every query head a rank holds
+must find its K/V head in that rank's own cache, so ``tp_head_layout`` follows vLLM's rule:
+  * W <= Hkv: rank r holds K/V heads r·Hkv/W .. (r+1)·Hkv/W - 1 and their query heads (W must divide Hkv);
+  * W > Hkv: each K/V head is **replicated** on ``num_kv_head_replicas`` = W / Hkv ranks (W must be a multiple
+    of Hkv): rank r holds K/V head r // (W / Hkv), and of that group's query heads the H/W it owns,
+    r·H/W .. (r+1)·H/W - 1. The replicas compute and cache the same K/V: W / Hkv times the cache of one copy,
+    the price of splitting the query heads further (the simulated clock prices it: perf/cost.py).
+Either way a rank holds H/W query heads and max(1, Hkv/W) K/V heads (vLLM's ``num_heads``, ``num_kv_heads``),
+and its cache is [layers, 2, blocks, block_size, max(1, Hkv/W), D]. q_proj is column-parallel by query heads,
+k_proj and v_proj by K/V heads (split Hkv/W ways, or W/Hkv ranks taking the same slice), o_proj row-parallel;
+the SwiGLU MLP's gate_proj and up_proj column-parallel (F/W units each: silu(gate)·up is elementwise, so local),
+down_proj row-parallel. RMSNorm, the embedding and the tied head are replicated; RoPE is per head, so local.
+Still two all-reduces of [T, C] per layer.
 """
 from __future__ import annotations
 
@@ -38,8 +43,21 @@ from minibatch.model.llama import Llama, apply_rotary
 from minibatch.model.model import GPT
 
 
+def tp_head_layout(n_head: int, total_num_kv_heads: int, tp_size: int) -> tuple[int, int, int]:
+    """vLLM's split of the heads (``QKVParallelLinear``): (num_heads, num_kv_heads, num_kv_head_replicas) per
+    rank. Query heads split tp ways; K/V heads split tp ways while they can, else one a rank, each replicated
+    on tp / Hkv ranks. Assumes a size ``check_tp_size`` accepted."""
+    if tp_size >= total_num_kv_heads:
+        return n_head // tp_size, 1, tp_size // total_num_kv_heads
+    return n_head // tp_size, total_num_kv_heads // tp_size, 1
+
+
+def _splits(n_head: int, n_kv: int, world: int) -> bool:
+    return n_head % world == 0 and (n_kv % world == 0 or world % n_kv == 0)
+
+
 def check_tp_size(config, world: int) -> None:
-    """A clear error for a split that cannot be made, at construction."""
+    """A clear error for a split that cannot be made, at construction (the one check of the head split)."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
     if config.architecture not in SHARDERS:
@@ -47,15 +65,17 @@ def check_tp_size(config, world: int) -> None:
             raise ValueError(f"tensor parallelism has no split for {config.architecture} ({config.name!r}); it splits "
                              f"{sorted(SHARDERS)}: use tensor_parallel_size=1")
         return
-    if config.n_head % world:
-        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {config.n_head} attention heads "
-                         f"({config.name}): each rank must hold whole heads; choose one of "
-                         f"{[d for d in range(1, config.n_head + 1) if config.n_head % d == 0]}")
-    if config.num_kv_heads % world:
-        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {config.num_kv_heads} K/V heads "
-                         f"({config.name}): each rank must hold whole K/V groups (a K/V head and its "
-                         f"{config.n_head // config.num_kv_heads} query heads); choose one of "
-                         f"{[d for d in range(1, config.num_kv_heads + 1) if config.num_kv_heads % d == 0]}")
+    H, Hkv = config.n_head, config.num_kv_heads
+    if _splits(H, Hkv, world):
+        return
+    sizes = [d for d in range(1, H + 1) if _splits(H, Hkv, d)]
+    if H == Hkv:                                   # multi-head attention: a K/V head per query head
+        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {H} attention heads "
+                         f"({config.name}): each rank must hold whole heads; choose one of {sizes}")
+    raise ValueError(f"tensor_parallel_size={world} does not split {config.name}'s {H} query heads and {Hkv} "
+                     f"K/V heads: each rank holds whole query heads (a divisor of {H}) and either whole K/V "
+                     f"groups (a divisor of {Hkv}) or one K/V head replicated on tensor_parallel_size / {Hkv} "
+                     f"ranks (a multiple of {Hkv}); choose one of {sizes}")
 
 
 class ParallelAttention(nn.Module):
@@ -99,23 +119,24 @@ def shard_gpt(model: GPT, rank: int, world: int) -> GPT:
 
 # -- the Llama: split by K/V groups -----------------------------------------------------------------------------------
 class ParallelLlamaAttention(nn.Module):
-    """``LlamaAttention`` on this rank's K/V groups: H / W query heads and Hkv / W K/V heads; x [T, C] -> [T, C]."""
+    """``LlamaAttention`` on this rank's heads: H / W query heads and max(1, Hkv / W) K/V heads; x [T, C] -> [T, C]."""
 
     def __init__(self, full, rank: int, world: int):
         super().__init__()
         cfg = full.cfg
-        self.n_head = _check_split(cfg.n_head, world, "the attention heads")
-        self.n_kv_head = _check_split(cfg.n_kv_head, world, "the K/V heads")
+        self.n_head, self.n_kv_head, self.num_kv_head_replicas = tp_head_layout(cfg.n_head, cfg.n_kv_head, world)
         self.head_dim = cfg.head_dim
-        self.q_proj = ColumnParallelLinear(full.q_proj, rank, world)       # [H/W · D, C]: heads r·H/W ..
-        self.k_proj = ColumnParallelLinear(full.k_proj, rank, world)       # [Hkv/W · D, C]: their K/V heads
-        self.v_proj = ColumnParallelLinear(full.v_proj, rank, world)
-        self.o_proj = RowParallelLinear(full.o_proj, rank, world)          # [C, H/W · D]
+        # K/V by K/V head: rank r takes slice r // replicas of Hkv / num_kv_heads slices (replicas take the same)
+        kv_rank, kv_world = rank // self.num_kv_head_replicas, world // self.num_kv_head_replicas
+        self.q_proj = ColumnParallelLinear(full.q_proj, rank, world)             # [H/W · D, C]: heads r·H/W ..
+        self.k_proj = ColumnParallelLinear(full.k_proj, kv_rank, kv_world)       # [max(1, Hkv/W) · D, C]
+        self.v_proj = ColumnParallelLinear(full.v_proj, kv_rank, kv_world)
+        self.o_proj = RowParallelLinear(full.o_proj, rank, world)                # [C, H/W · D]
 
     def forward(self, x, layer_idx: int, attn, rope: tuple):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_head, self.head_dim)             # [T, H/W, D]
-        k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)          # [T, Hkv/W, D]
+        k = self.k_proj(x).view(T, self.n_kv_head, self.head_dim)          # [T, max(1, Hkv/W), D]
         v = self.v_proj(x).view(T, self.n_kv_head, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.o_proj(attn(layer_idx, q, k, v).reshape(T, -1))
@@ -133,7 +154,7 @@ class ParallelLlamaMLP(nn.Module):
 
 
 def shard_llama(model: Llama, rank: int, world: int) -> Llama:
-    """A copy of ``model`` holding rank ``rank``'s K/V groups: the same ``Llama.forward``."""
+    """A copy of ``model`` holding rank ``rank``'s query heads and K/V heads: the same ``Llama.forward``."""
     check_tp_size(model.config, world)
     local = copy.deepcopy(model)
     for layer in local.layers:

@@ -30,7 +30,10 @@ is costed from what ran: a draft model's ``depth`` passes (the draft profile), a
 (one layer of the target + its fc and head), early exit's shallow passes (the first E/L of the target's
 layers + the head), Medusa's heads (one pass: per head a residual block H x H and a head H x V);
 prompt lookup costs nothing on the device. With tensor parallelism (``simulate="2xh100:..."``) every
-weight, FLOP and K/V byte is split tp ways and the all-reduces are added.
+weight, FLOP and byte is split tp ways and the all-reduces are added, except the K/V heads: a rank holds
+max(1, n_kv / tp) of them (vLLM's rule, ``minibatch/distributed/tp_model.py``), since past n_kv ranks each
+K/V head is replicated on tp / n_kv ranks. So K above becomes K_r = max(1, n_kv / tp) x d per rank, in the
+k/v projections' weights and outputs, the cache a step reads and writes, and the KV pool's budget.
 """
 from __future__ import annotations
 
@@ -92,13 +95,19 @@ class CostModel:
     def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
         """vLLM's KV budget: (memory x gpu_memory_utilization - weights) / bytes of one block, per device."""
         m, budget = self.model, self.hw.mem_capacity * gpu_memory_utilization
-        weights = m.weight_bytes / self.tp
+        kv_proj = m.n_layer * m.hidden * 2 * m.dtype_bytes                 # k/v projections' bytes per unit of K
+        weights = (m.weight_bytes - kv_proj * m.kv_dim) / self.tp + kv_proj * self.kv_dim_per_rank(m)
         if weights >= budget:
             raise ValueError(f"{m.name}'s weights ({weights / 1e9:.1f} GB per device) do not fit {self.hw.name}'s "
                              f"{self.hw.mem_capacity / 1e9:.0f} GB x gpu_memory_utilization {gpu_memory_utilization} "
                              f"= {budget / 1e9:.1f} GB; choose a larger profile, tensor parallelism ('2x{self.hw.name}"
                              f":{m.name}'), a higher gpu_memory_utilization or a smaller model")
-        return int((budget - weights) // (block_size * m.kv_bytes_per_token / self.tp))
+        return int((budget - weights) // (block_size * m.kv_bytes_per_token * self.kv_dim_per_rank(m) / m.kv_dim))
+
+    def kv_dim_per_rank(self, m: ModelProfile) -> float:
+        """K/V width a rank holds: max(1, n_kv / tp) heads x d. Past n_kv ranks every rank still holds (and
+        reads, and writes) one whole K/V head, replicated on tp / n_kv ranks: those bytes are not split."""
+        return max(1.0, m.n_kv_heads / self.tp) * m.head_dim
 
     # -- operators ------------------------------------------------------------------------------------------
     def forward_ops(self, m: ModelProfile, rows, layers: int | None = None, head: bool = True,
@@ -107,12 +116,13 @@ class CostModel:
         tp, w = self.tp, m.dtype_bytes
         L = m.n_layer if layers is None else layers
         T = sum(q for q, _, _ in rows)
-        H, Q, K, I = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+        H, Q, Kr, I = m.hidden, m.q_dim, self.kv_dim_per_rank(m), m.intermediate     # Kr: K/V width a rank
         mw = (3 if m.gated_mlp else 2) * H * I
+        qkv = Q / tp + 2 * Kr                                                          # q, k, v outputs a rank
         per_layer = [
-            Op("qkv", 2 * T * H * (Q + 2 * K) / tp, w * (H * (Q + 2 * K) / tp + T * (H + (Q + 2 * K) / tp)), 2),
+            Op("qkv", 2 * T * H * qkv, w * (H * qkv + T * (H + qkv)), 2),
             Op("attention", sum(4 * q * c * Q for q, c, _ in rows) / tp,
-               w * (sum(c * 2 * K for _, c, _ in rows) + T * 2 * K + 2 * T * Q) / tp, 2),
+               w * (sum(c * 2 * Kr for _, c, _ in rows) + T * 2 * Kr + 2 * T * Q / tp), 2),
             Op("o_proj", 2 * T * Q * H / tp, w * (Q * H / tp + T * (Q / tp + H)), 2),
             Op("mlp", 2 * T * mw / tp, w * (mw / tp + T * (2 * H + 2 * I / tp)), 4)]
         if tp > 1:

@@ -16,7 +16,7 @@ profile holds
   overheads are not on any datasheet and say "estimate" with their basis.
 
 Decimal units throughout (1 TB/s = 1e12 B/s, 80 GB = 80e9 B), as the datasheets print them.
-A profile of *this* machine is measured by ``python -m minibatch.perf calibrate`` (``calibrate.py``) and
+A profile of *this* machine is measured by ``python -m minibatch.bench calibrate`` (``calibrate.py``) and
 read back with ``load_profile``.
 """
 from __future__ import annotations
@@ -166,12 +166,12 @@ PROFILES = {
 
 
 def load_profile(path) -> HardwareProfile:
-    """A profile written by ``python -m minibatch.perf calibrate --out FILE``; a clear error if it is not one."""
+    """A profile written by ``python -m minibatch.bench calibrate --out FILE``; a clear error if it is not one."""
     p = pathlib.Path(path)
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ValueError(f"no calibration file {str(p)!r} (write one with: python -m minibatch.perf calibrate "
+        raise ValueError(f"no calibration file {str(p)!r} (write one with: python -m minibatch.bench calibrate "
                          f"--out {p})") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{p}: not a calibration file (JSON expected): {e}") from None
@@ -202,5 +202,5 @@ def get_hardware(name: str) -> HardwareProfile:
         return load_profile(name)
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; choose one of {sorted(PROFILES)} or a calibration "
-                         f"file (.json, from python -m minibatch.perf calibrate)")
+                         f"file (.json, from python -m minibatch.bench calibrate)")
     return PROFILES[name]
