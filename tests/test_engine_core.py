@@ -39,7 +39,10 @@ def make_llm():
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(functools.partial(LLM, "target", device="cpu", num_gpu_blocks=30, max_num_seqs=16),
+    # The core runs asynchronous scheduling and swaps (serve --async-scheduling --preemption-mode swap): every test
+    # below then also holds that core to the in-process, synchronous engine's tokens.
+    with ServerThread(functools.partial(LLM, "target", device="cpu", num_gpu_blocks=30, max_num_seqs=16,
+                                        async_scheduling=True, preemption_mode="swap"),
                       max_pending_requests=64) as srv:
         assert srv.engine_loop.process.is_alive()
         yield srv
