@@ -197,3 +197,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_arrival_is_stamped_before_the_body_is_read(server):
+    """A client that takes 0.4 s to send its body: the server's TTFT counts that time, since the arrival is stamped
+    at the ASGI entry (as the client's own clock would), not when the handler starts."""
+    def ttft_sum():
+        for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
+            for s in fam.samples:
+                if s.name == "vllm:time_to_first_token_seconds_sum":
+                    return s.value
+        return 0.0
+    before = ttft_sum()
+    body = b'{"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}'
+    host, port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.4)
+        sock.sendall(body[10:])
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert b" 200 " in reply.split(b"\r\n", 1)[0]
+    assert ttft_sum() - before >= 0.4
