@@ -32,8 +32,6 @@ the step in flight is updated (no overlap for that step). Speculative decoding i
 """
 from __future__ import annotations
 
-import time
-
 from minibatch.engine.scheduler import Scheduler, SchedulerOutput
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.sampling.sampler import find_stop
@@ -96,13 +94,7 @@ class AsyncScheduler(Scheduler):
                 finished += self._fork_known(seq, runner_output.forked_token_ids[i])
             finished += self._check_stop(seq, ended)
             changed[seq.request_id] = seq.request
-        now = time.perf_counter()
-        for req in changed.values():
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            if req.finished and req.metrics.finished_time is None:
-                req.metrics.finished_time = now
-        return list(changed.values()), finished
+        return self._stamped(changed), finished
 
     def _check_stop(self, seq: Sequence, ended=None) -> list:
         """Stop strings, EOS, the grammar's end and max_tokens over the tokens known (in the synchronous

@@ -254,13 +254,18 @@ class SchedulerBase:
                 finished += self._fork(seq, runner_output.forked_token_ids[i])
             finished += self._append(seq, toks)
             changed[seq.request_id] = seq.request
+        return self._stamped(changed), finished
+
+    @staticmethod
+    def _stamped(changed: dict) -> list:
+        """The requests whose output changed, their first-token and finish times stamped now."""
         now = time.perf_counter()
         for req in changed.values():
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
-        return list(changed.values()), finished
+        return list(changed.values())
 
     def _append(self, seq: Sequence, toks: list) -> list:
         """Append sampled tokens (up to max_tokens), cache the computed blocks, apply stop strings."""
