@@ -195,6 +195,11 @@ class BlockAllocatorBase:
         s.num_slots = n
 
     # -- invariants -------------------------------------------------------------------
+    def _cache_held_blocks(self) -> set:
+        """Blocks of ref count 0 that a prefix cache keeps out of the free queue: none for the hash chain (its
+        cached-but-free blocks wait in the queue); the radix tree's evictable blocks (``radix_allocator.py``)."""
+        return set()
+
     def check_invariants(self, live_seq_ids=None) -> None:
         bs, counts = self.block_size, [0] * self.num_blocks
         if live_seq_ids is not None:
@@ -210,7 +215,8 @@ class BlockAllocatorBase:
                 e = self._entries.get(b)
                 assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
         assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
-        free = [b for b in range(self.num_blocks) if counts[b] == 0]
+        held = self._cache_held_blocks()
+        free = [b for b in range(self.num_blocks) if counts[b] == 0 and b not in held]
         assert sorted(self._free) == free, f"free queue {list(self._free)} != blocks with ref 0 {free}"
         assert len(self._cache) == len(self._entries), "cache maps disagree"
         for h, b in self._cache.items():
