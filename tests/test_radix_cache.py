@@ -157,7 +157,7 @@ class Reference:
         return sum(v == 0 for v in self.locks.values())
 
 
-keys = st.lists(st.integers(0, 2), max_size=9)
+keys = st.lists(st.integers(0, 1), max_size=8)
 ops = st.lists(st.one_of(st.tuples(st.just("insert"), keys), st.tuples(st.just("match"), keys),
                          st.tuples(st.just("lock"), keys), st.tuples(st.just("unlock"), st.integers(0, 9)),
                          st.tuples(st.just("evict"), st.integers(0, 4))), max_size=40)
