@@ -153,6 +153,12 @@ class BlockAllocatorBase:
         tokens = _as_tokens(token_ids, "token_ids")
         return len(self._lookup(tokens)) * self.block_size if self.enable_prefix_caching else 0
 
+    def cached_prefix_blocks(self, token_ids) -> list:
+        """The blocks of ``token_ids``' longest cached prefix (what ``allocate`` would reuse; the cache-aware
+        scheduling policies read it). Changes nothing."""
+        tokens = _as_tokens(token_ids, "token_ids")
+        return [b for b, _, _ in self._lookup(tokens)] if self.enable_prefix_caching else []
+
     def _evict(self, block: int) -> None:
         e = self._entries.pop(block, None)
         if e is not None and self._cache.get(e.block_hash) == block:

@@ -28,6 +28,8 @@ from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.block_pool import NoFreeBlocksError, _as_count, _as_tokens, _Seq
 from minibatch.kv.radix_cache import RadixCache
 
+PREFIX_CACHES = ("hash", "radix")     # EngineConfig.prefix_cache: BlockAllocator's hash chain, or this tree
+
 
 class RadixBlockAllocator(BlockAllocator):
     """``BlockAllocator`` with the radix tree as its prefix cache. State added: ``tree`` (a ``RadixCache``),
@@ -57,6 +59,9 @@ class RadixBlockAllocator(BlockAllocator):
 
     def _lookup(self, tokens: list) -> list:
         return self.tree.peek(self._cap(tokens))[0]
+
+    def cached_prefix_blocks(self, token_ids) -> list:
+        return self._lookup(_as_tokens(token_ids, "token_ids"))
 
     def _plan(self, token_ids):
         tokens = _as_tokens(token_ids, "token_ids")
