@@ -26,7 +26,8 @@ def _generate(args) -> int:
     try:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                  cuda_graph_mode=args.cuda_graph_mode)
+                  cuda_graph_mode=args.cuda_graph_mode, prefix_cache=args.prefix_cache,
+                  scheduling_policy=args.scheduling_policy)
         t = time.perf_counter()
         out = llm.generate([args.prompt], params)[0]
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -90,6 +91,12 @@ def main(argv=None) -> int:
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, as vLLM takes it, e.g. \'{"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, '
                         '"depth": 5, "topk": 4}\'')
+    from minibatch.engine.request_queue import POLICIES
+    from minibatch.kv.radix_allocator import PREFIX_CACHES
+    g.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="hash",
+                   help="the prefix cache: vLLM's hash chain, or SGLang's radix tree")
+    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="the waiting queue's order (lpm, dfs-weight: SGLang's cache-aware orders)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured, disaggregated")
