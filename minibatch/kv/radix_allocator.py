@@ -24,16 +24,18 @@ block goes first when the pool is full (``tests/test_radix_allocator.py`` shows 
 """
 from __future__ import annotations
 
-from minibatch.kv.block_allocator import BlockAllocator
-from minibatch.kv.block_pool import NoFreeBlocksError, _as_count, _as_tokens, _Seq
+from minibatch.kv.block_pool import BlockAllocatorBase, NoFreeBlocksError, _as_count, _as_tokens, _Seq
 from minibatch.kv.radix_cache import RadixCache
 
 PREFIX_CACHES = ("hash", "radix")     # EngineConfig.prefix_cache: BlockAllocator's hash chain, or this tree
 
 
-class RadixBlockAllocator(BlockAllocator):
-    """``BlockAllocator`` with the radix tree as its prefix cache. State added: ``tree`` (a ``RadixCache``),
-    ``_in_tree`` the set of blocks it holds, ``_locks`` seq_id -> the node its lock is on."""
+class RadixBlockAllocator(BlockAllocatorBase):
+    """The block allocator with the radix tree as its prefix cache: ``BlockAllocator``'s policy (free queue front
+    first, tail-first release, copy-on-write, fork), over the pool's state (``BlockAllocatorBase``; the hash
+    chain's maps stay empty) and ``tree`` (a ``RadixCache``), ``_in_tree`` the set of blocks it holds, ``_locks``
+    seq_id -> the node its lock is on. (Not a subclass of ``BlockAllocator``, so that it runs the same whoever
+    wrote that one: exercise 6.)"""
 
     prefix_cache = "radix"
 
@@ -79,6 +81,11 @@ class RadixBlockAllocator(BlockAllocator):
             self._in_tree.discard(b)
             self._free[b] = None
 
+    def _take_fresh(self) -> int:
+        block, _ = self._free.popitem(last=False)           # the least recently freed block (none in the tree)
+        self._ref[block] = 1
+        return block
+
     def _release(self, blocks: list) -> None:
         for b in reversed(blocks):                          # tail first, as the hash chain's
             self._ref[b] -= 1
@@ -108,25 +115,33 @@ class RadixBlockAllocator(BlockAllocator):
         return len(blocks) * self.block_size
 
     def append_slots(self, seq_id, num_new_tokens: int) -> list:
+        """Grow by ``num_new_tokens`` slots; returns the copy-on-write (src, dst) block pairs to copy first. The
+        partly filled last block is copied when it is shared: with another table, or with the tree (a truncate
+        into a cached page left it there)."""
         s = self._get(seq_id)
         new = _as_count(num_new_tokens, "num_new_tokens")
-        if new <= 0:
-            return super().append_slots(seq_id, new)        # its checks and its answers (nothing to do)
+        if new < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {new}")
+        if not new:
+            return []
         last = s.blocks[-1] if s.num_slots % self.block_size else None
-        in_tree = last is not None and last in self._in_tree     # left by a truncate into a cached page
+        in_tree = last is not None and last in self._in_tree
         cow = last is not None and (in_tree or self._ref[last] > 1)
-        need = self.blocks_needed(s.num_slots + new) - len(s.blocks) + cow
-        if need > self.num_free_blocks:
-            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {need} blocks, {self.num_free_blocks} are free")
-        self._reclaim(need)
+        grow = self.blocks_needed(s.num_slots + new) - len(s.blocks)
+        if grow + cow > self.num_free_blocks:
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {grow + cow} blocks, {self.num_free_blocks} are free")
+        self._reclaim(grow + cow)
         pairs = []
-        if in_tree:                                         # the tree's page stays as it is: write into a copy
+        if cow:
             dst = self._take_fresh()
-            self._release([last])
+            self._release([last])                           # a tree page left at ref 0 stays there, evictable
             s.blocks[-1] = dst
             pairs.append((last, dst))
-            self._relock(seq_id, self._node_at(seq_id, len(s.chain)))
-        return pairs + super().append_slots(seq_id, new)
+            if in_tree:                                     # the lock covered that page: now only the chain
+                self._relock(seq_id, self._node_at(seq_id, len(s.chain)))
+        s.blocks += [self._take_fresh() for _ in range(grow)]
+        s.num_slots += new
+        return pairs
 
     def _node_at(self, seq_id, num_pages: int):
         """The node where the first ``num_pages`` pages of the sequence's locked path end (splitting there)."""
@@ -153,14 +168,19 @@ class RadixBlockAllocator(BlockAllocator):
         s.chain = list(blocks)
 
     def fork(self, parent_id, child_id) -> None:
-        super().fork(parent_id, child_id)
+        p = self._get(parent_id)
+        self._check_new_id(child_id)
+        for b in p.blocks:
+            self._ref[b] += 1
+        self._seqs[child_id] = _Seq(list(p.blocks), p.num_slots, list(p.chain))
         self._locks[child_id] = self._locks[parent_id]
         self.tree.inc_lock_ref(self._locks[child_id])
 
     def free(self, seq_id) -> None:
-        self._get(seq_id)
+        s = self._get(seq_id)
         self.tree.dec_lock_ref(self._locks.pop(seq_id))     # first: its unshared tree pages become evictable
-        super().free(seq_id)
+        self._release(s.blocks)
+        del self._seqs[seq_id]
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         self._get(seq_id)
