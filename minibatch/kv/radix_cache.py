@@ -27,8 +27,9 @@ allocator, ``radix_allocator.py``), which owns the ref counts and the free queue
 Time is a counter (one tick per ``match_prefix`` or ``insert``), not a clock, so that runs replay exactly.
 
 ``RadixCacheBase`` holds the tree's state and everything that only reads it (``peek``, the sizes, the invariant
-checker); ``RadixCache`` adds what changes it: ``match_prefix``, ``insert``, ``evict``, the lock refs.
-SGLang's names throughout (``python/sglang/srt/mem_cache/radix_cache.py``).
+checker); ``RadixCache`` adds what changes it: ``match_prefix``, ``insert``, ``evict``, the lock refs (exercise 12
+is to write it: ``exercises/ex12_radix_cache.py``). SGLang's names throughout
+(``python/sglang/srt/mem_cache/radix_cache.py``).
 """
 from __future__ import annotations
 
