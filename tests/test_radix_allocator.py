@@ -210,3 +210,14 @@ def test_radix_with_copy_on_write_forks_chunked_prefill_and_preemption(target_mo
     assert any(s.phase == "prefill" and s.num_computed_before and s.num_computed_before % 8
                for t in traces for s in t.scheduled)            # a later chunk of a prompt (not a cache hit)
     assert any(len(set(map(tuple, o))) == 2 for o in got)      # the forks ran, and went their own ways
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 6, "depth": 3, "topk": 2}])
+def test_radix_under_speculation_gives_the_hash_chains_tokens(target_model, spec):
+    """Verify steps write drafts past the computed tokens and roll the rejected ones back (``truncate``); a token
+    tree writes into scratch slots too. The tree only ever holds computed pages, so the tokens stay the same."""
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = [run(target_model, params, prefix_cache=c, num_gpu_blocks=24, speculative_config=spec)[0]
+            for c in ("hash", "radix")]
+    assert outs[1] == outs[0]
