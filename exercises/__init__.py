@@ -1,9 +1,9 @@
 """Exercises: write pieces of the serving engine yourself, graded by pytest.
 
 The reference implementations live in ``minibatch/`` (and ``kernels/``); yours live
-here, one file per piece (``ex1_slot_mapping.py`` ... ``ex9_paged_decode_kernel.py``): a function, for
-ex6 and ex7 a class (the block allocator's and the scheduler's policy), for ex8 three functions (the tree mask,
-the positions, the accepted path). One switch chooses,
+here, one file per piece (``ex1_slot_mapping.py`` ... ``ex12_radix_cache.py``): a function, for ex6, ex7 and
+ex12 a class (the block allocator's and the scheduler's policy, the radix tree), for ex8 three functions (the tree
+mask, the positions, the accepted path). One switch chooses,
 per piece, which of the two the graded tests and the engine use, so a student
 stuck on one piece can go on to the next with the reference in its place:
 
@@ -44,7 +44,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Piece:
     name: str          # the piece's name in MINIBATCH_STUDENT
-    part: str          # its pytest marker, ex1 .. ex10
+    part: str          # its pytest marker, ex1 .. ex12
     stem: str          # the student's file, without .py
     func: str          # the function (or, for ex6 and ex7, the class) to write
     module: str        # where the reference lives
@@ -162,6 +162,7 @@ PIECES = {p.name: p for p in (
           helpers=("_add_kernel", "_softmax_kernel", "_matmul_kernel", "_gather_kernel")),
     Piece("paged_decode", "ex9", "ex9_paged_decode_kernel", "paged_decode", "kernels.paged_decode",
           "paged decode kernel", helpers=("_paged_decode_kernel",), elsewhere=_PAGED_DECODE_ELSEWHERE),
+    Piece("radix_cache", "ex12", "ex12_radix_cache", "RadixCache", "minibatch.kv.radix_cache", "radix cache"),
 )}
 BY_PART = {p.part: p for p in PIECES.values()}
 
@@ -194,6 +195,8 @@ CALL_SITES = {
     "block_allocator": [("minibatch.kv.block_allocator", "BlockAllocator"), ("minibatch.engine.engine", "BlockAllocator"),
                         ("minibatch.spec_decode.draft_model", "BlockAllocator")],
     "scheduler": [("minibatch.engine.scheduler", "Scheduler"), ("minibatch.engine.engine", "Scheduler")],
+    # the radix allocator builds its tree from this name (prefix_cache="radix")
+    "radix_cache": [("minibatch.kv.radix_cache", "RadixCache"), ("minibatch.kv.radix_allocator", "RadixCache")],
 }
 
 

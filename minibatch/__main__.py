@@ -29,8 +29,8 @@ def _generate(args) -> int:
         llm = LLM(args.preset, device=args.device, attention_backend=args.backend, speculative_config=spec,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                   cuda_graph_mode=args.cuda_graph_mode, num_gpu_blocks=args.num_gpu_blocks_override,
-                  async_scheduling=args.async_scheduling,
-                  **memory_hierarchy.config_kwargs(args))
+                  async_scheduling=args.async_scheduling, prefix_cache=args.prefix_cache,
+                  scheduling_policy=args.scheduling_policy, **memory_hierarchy.config_kwargs(args))
         t = time.perf_counter()
         outs = llm.generate(list(args.prompt), params)
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -107,6 +107,12 @@ def main(argv=None) -> int:
     memory_hierarchy.add_arguments(g)
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N's forward runs (vLLM's flag; engine/async_scheduler.py)")
+    from minibatch.engine.request_queue import POLICIES
+    from minibatch.kv.radix_allocator import PREFIX_CACHES
+    g.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="hash",
+                   help="the prefix cache: vLLM's hash chain, or SGLang's radix tree")
+    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="the waiting queue's order (lpm, dfs-weight: SGLang's cache-aware orders)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured, disaggregated")

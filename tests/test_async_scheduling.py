@@ -168,3 +168,8 @@ def test_an_error_in_a_forward_is_that_steps_error(target_model, monkeypatch):
 def test_unsupported_configurations_are_refused(kw, what):
     with pytest.raises(ValueError, match="async_scheduling=True cannot go with " + what.replace("(", r"\(")):
         EngineConfig(async_scheduling=True, **kw)
+
+
+def test_async_with_the_radix_cache_and_lpm(target_model, sync_runs):
+    toks, _ = _run(target_model, CASES["greedy"], async_scheduling=True, prefix_cache="radix", policy="lpm", **TIGHT)
+    assert toks == sync_runs["greedy"]

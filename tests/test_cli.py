@@ -60,3 +60,12 @@ def test_an_unknown_method_or_bad_json_is_refused_by_the_parser(capsys):
         with pytest.raises(SystemExit) as e:
             generate(capsys, *argv)
         assert e.value.code == 2
+
+
+def test_the_radix_cache_and_a_cache_aware_policy_give_the_plain_text(plain_text, capsys):
+    code, out, err = generate(capsys, "--prefix-cache", "radix", "--scheduling-policy", "lpm")
+    assert code == 0 and out == plain_text
+    for argv in (["--prefix-cache", "tree"], ["--scheduling-policy", "lifo"]):
+        with pytest.raises(SystemExit):
+            generate(capsys, *argv)
+        assert "invalid choice" in capsys.readouterr().err

@@ -53,6 +53,8 @@ CONFIGS = {
     "prefill-first": dict(order="prefill-first", max_num_batched_tokens=48),
     "prefill-first-tiny-cache": dict(order="prefill-first", block_size=8, num_gpu_blocks=24, max_num_seqs=8),
     "two-seqs": dict(max_num_seqs=2),
+    # SGLang's radix tree and its longest-prefix-match order, on a cache small enough to evict and preempt
+    "radix-lpm-tiny-cache": dict(prefix_cache="radix", policy="lpm", block_size=8, num_gpu_blocks=24, max_num_seqs=8),
 }
 
 
@@ -64,7 +66,7 @@ def test_greedy_equals_reference(name, target_model, greedy_refs):
         assert out.outputs[0].finish_reason == "length" and out.finished
     budget, cap = llm.llm_engine.config.max_num_batched_tokens, llm.llm_engine.config.max_num_seqs
     assert all(t.num_batched_tokens <= budget and len(t.running) <= cap for t in traces)
-    if name in ("tiny-cache-preempts", "prefill-first-tiny-cache"):
+    if name in ("tiny-cache-preempts", "prefill-first-tiny-cache", "radix-lpm-tiny-cache"):
         assert sum(len(t.preempted) for t in traces) >= 2, "this cache is meant to force preemption"
     if name == "chunked-prefill":
         assert any(s.phase == "prefill" and s.num_computed_before > 0 for t in traces for s in t.scheduled)

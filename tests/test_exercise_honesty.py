@@ -54,7 +54,7 @@ def mutant_piece(path: Path):
 
 def untouched(p) -> bool:
     """The shipped stub: a function of it is still unwritten (the piece's function itself, for ex9 the kernel
-    it launches, for ex6 and ex7 a method of the class)."""
+    it launches, for ex6, ex7 and ex12 a method of the class)."""
     tree = ast.parse((PKG / f"{p.stem}.py").read_text())
     return any(isinstance(n, ast.FunctionDef) and unwritten(n) for n in ast.walk(tree))
 
@@ -75,7 +75,7 @@ def shim_files(dest: Path) -> Path:
     behind the switch."""
     dest.mkdir(parents=True)
     for p in exercises.PIECES.values():
-        if p.func[0].isupper():                     # a class (ex6, ex7): the reference's, counting instances
+        if p.func[0].isupper():                     # a class (ex6, ex7, ex12): the reference's, counting instances
             body = (f"class {p.func}(exercises.reference({p.name!r})):\n    def __init__(self, *args, **kwargs):\n"
                     f"        CALLS.append({p.func!r})\n        super().__init__(*args, **kwargs)\n")
         else:                                       # every function of the piece (ex8 has three)
@@ -283,11 +283,14 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.spec_decode.ngram as ngram
     import minibatch.spec_decode.rejection_sampler as speculative
     import minibatch.kv.tree as tree
+    import minibatch.kv.radix_cache as radix_cache
+    import minibatch.kv.radix_allocator as radix_allocator
     sites = [(kv_cache, "slot_mapping"), (metadata, "_slot_mapping"), (backends, "paged_attention_loop"),
              (sampler, "apply_top_k_top_p"), (engine, "TOP_K_TOP_P"), (speculative, "rejection_sample"),
              (engine, "REJECTION_SAMPLE"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
              (draft_model, "BlockAllocator"), (scheduler, "Scheduler"), (engine, "Scheduler"),
-             (tree, "ancestor_mask"), (tree, "positions"), (tree, "greedy_path"), (ngram, "ngram_propose")]
+             (tree, "ancestor_mask"), (tree, "positions"), (tree, "greedy_path"), (radix_cache, "RadixCache"),
+             (radix_allocator, "RadixCache"), (ngram, "ngram_propose")]
     before = [getattr(m, a) for m, a in sites]
     static = engine.StaticScheduler
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))
@@ -320,7 +323,9 @@ def test_patch_engine_runs_the_engine_on_the_students_code(monkeypatch, tmp_path
         llm = LLM(model, block_size=4, attention_backend="loop",
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         static = LLM(model, block_size=4, scheduling="static", num_gpu_blocks=12)    # forks nothing: n = 1
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params) + static.generate(prompts, params)]
+        radix = LLM(model, block_size=4, prefix_cache="radix")                     # the radix tree (ex12)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params) + static.generate(prompts, params)
+                + radix.generate(prompts, params)]
 
     want = generate()
     monkeypatch.setenv("MINIBATCH_STUDENT_DIR", str(shim_files(tmp_path / "s")))

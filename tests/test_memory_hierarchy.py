@@ -238,7 +238,10 @@ class HierarchyMachine(AllocatorMachine):
         """Copy a sequence's cached full blocks to the tier; a later lookup of the same chain finds them."""
         host = self._host()
         sid = data.draw(st.sampled_from(self.seqs))
-        hashes, table = self.a.cached_block_hashes(sid), self.a.block_table(sid)
+        hashes, table, parent = [], self.a.block_table(sid), None
+        for i in range(self.a.num_cached_blocks(sid)):              # the chain's key, from the tokens
+            parent = hash_block_tokens(parent, tuple(self.tokens[sid][i * BS:(i + 1) * BS]))
+            hashes.append(parent)
         for i, h in enumerate(hashes):
             hb = host.store(h, tuple(self.tokens[sid][i * BS:(i + 1) * BS]))
             if hb is not None:
@@ -267,3 +270,14 @@ class HierarchyMachine(AllocatorMachine):
 TestHierarchyMachine = HierarchyMachine.TestCase
 TestHierarchyMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_radix_cache_under_swap_and_the_host_tier(target_model, free_run):
+    """prefix_cache='radix' (kv/radix_allocator.py): swapping and a write-through host tier keyed by the pages'
+    chained hashes, computed from the tokens, give the same tokens; write-back is refused with the reason."""
+    toks, rec = _run(target_model, prefix_cache="radix", preemption_mode="swap", kv_offload_space=0.002, **TIGHT)
+    assert toks == free_run
+    c = _counts(rec)
+    assert c["swapped"] > 0 and c["hits"] > 0, c
+    with pytest.raises(ValueError, match="write_back' needs prefix_cache='hash'"):
+        LLM(target_model, prefix_cache="radix", kv_offload_space=0.002, kv_offload_write_policy="write_back")

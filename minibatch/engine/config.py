@@ -8,9 +8,10 @@ from typing import Optional
 
 from minibatch.engine.cuda_graphs import MODES
 from minibatch.engine.memory_hierarchy import PREEMPTION_MODES, WRITE_POLICIES
-from minibatch.engine.request_queue import POLICIES
+from minibatch.engine.request_queue import POLICIES, check_cache_aware
 from minibatch.engine.scheduler import ORDERS
 from minibatch.kv.attention import check_backend
+from minibatch.kv.radix_allocator import PREFIX_CACHES
 from minibatch.spec_decode.config import check_speculative_config
 from minibatch.engine.threads import check_num_threads
 
@@ -32,7 +33,10 @@ class EngineConfig:
     attention_backend: Optional[str] = None    # "loop" (the teaching version), "batched", "triton", "cpu";
                                                # None: the engine picks ("cpu" on a CPU, "batched" on a GPU)
     scheduling: str = "continuous"             # or "static"
-    policy: str = "fcfs"                       # or "priority"
+    policy: str = "fcfs"                       # or "priority", or SGLang's cache-aware "lpm", "dfs-weight"
+    scheduling_policy: Optional[str] = None    # vLLM's name for policy: given, it sets policy (read policy)
+    cache_aware_max_waiting: int = 128         # lpm / dfs-weight: above this many waiting requests, FCFS (SGLang's)
+    prefix_cache: str = "hash"                 # with enable_prefix_caching: vLLM's hash chain, or SGLang's "radix" tree
     order: str = "decode-first"                # or "prefill-first"
     speculative_config: Optional[dict] = None  # {"method": "draft" | "ngram", "num_speculative_tokens": k}
     seed: int = 0                              # the generator of requests without a seed
@@ -73,9 +77,17 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than one block "
                              f"({self.block_size} tokens)")
         check_backend(self.attention_backend)
-        for name, allowed in (("scheduling", SCHEDULINGS), ("policy", POLICIES), ("order", ORDERS)):
+        if self.scheduling_policy is not None:     # an alias, folded into policy once (so replace() stays right)
+            if self.policy not in ("fcfs", self.scheduling_policy):
+                raise ValueError(f"policy={self.policy!r} and scheduling_policy={self.scheduling_policy!r} disagree: "
+                                 f"they are one setting (scheduling_policy is vLLM's name), give one")
+            self.policy, self.scheduling_policy = self.scheduling_policy, None
+        for name, allowed in (("scheduling", SCHEDULINGS), ("policy", POLICIES), ("order", ORDERS),
+                              ("prefix_cache", PREFIX_CACHES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(allowed)}")
+        check_cache_aware(self.policy, self.enable_prefix_caching)
+        _int("cache_aware_max_waiting", self.cache_aware_max_waiting, 0)
         if self.speculative_config is not None:
             check_speculative_config(self.speculative_config)
         _int("seed", self.seed, 0)

@@ -36,6 +36,7 @@ from minibatch.distributed.kv_transfer import scatter_prompt
 from minibatch.kv.attention import default_backend
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.host_pool import HostBlockPool
+from minibatch.kv.radix_allocator import RadixBlockAllocator
 from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT
 from minibatch.model.tokenizer import decode, encode
@@ -80,7 +81,9 @@ class LLMEngine:
         threads.apply(c.num_threads, model)        # CPU: threads from the model's size, or as asked
         num_blocks = c.num_blocks_for(mc.n_ctx)
         self.model, self.config = model, c
-        self.allocator = BlockAllocator(num_blocks, c.block_size, c.enable_prefix_caching)
+        radix = c.prefix_cache == "radix" and c.enable_prefix_caching
+        self.allocator = (RadixBlockAllocator if radix else BlockAllocator)(num_blocks, c.block_size,
+                                                                           c.enable_prefix_caching)
         # Static batching runs a rectangle: a finished member still computes a padding token every step
         # (as in HF generate or FasterTransformer). When that token starts a new block, its K/V goes to a
         # scratch block past the allocator's pool (ids num_blocks, ...), which no sequence ever owns.
@@ -102,7 +105,8 @@ class LLMEngine:
         if p:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else AsyncScheduler if c.async_scheduling else Scheduler
-        self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order)
+        self.scheduler = sched(self.allocator, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.order,
+                               c.cache_aware_max_waiting)
         self._build_hierarchy(num_blocks)
         if p:
             self.scheduler.num_lookahead_slots = p.num_lookahead_slots

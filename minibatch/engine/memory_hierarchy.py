@@ -50,6 +50,7 @@ class MemoryHierarchy:
         self.swapped: list = []           # [Request] swapped out, in the order they left
         self._offloaded: dict = {}        # seq id -> its leading cached blocks already offered to the tier
         self._pending: list = []          # (device block, host block) tier copies for the next step's out
+        self._hashes: dict = {}           # seq id -> the chained hashes of its leading full pages, as computed
         self.num_swapped_out = self.num_swapped_in = self.num_recomputed_instead = 0   # cumulative, sequences
 
     @property
@@ -58,7 +59,18 @@ class MemoryHierarchy:
 
     def bind(self, allocator) -> None:
         if self.offloading and self.write_policy == "write_back":
+            if getattr(allocator, "prefix_cache", "hash") != "hash":
+                raise ValueError("kv_offload_write_policy='write_back' needs prefix_cache='hash' (the radix tree's "
+                                 "evictions do not report their pages yet); use 'write_through' with the radix cache")
             allocator.on_evict = self._on_evict
+
+    def _page_hashes(self, seq, n: int) -> list:
+        """The chained hashes (the prefix cache's key, ``hash_block_tokens``) of the first ``n`` full pages of
+        ``seq``'s tokens: the host tier's keys, the same whichever index (hash chain or radix tree) the device uses."""
+        bs, hs = self.host.block_size, self._hashes.setdefault(seq.seq_id, [])
+        for i in range(len(hs), n):
+            hs.append(hash_block_tokens(hs[-1] if hs else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return hs[:n]
 
     # -- moment 1: before the batch is chosen -----------------------------------------------------------------
     def before_fill(self, sched, out) -> None:
@@ -107,6 +119,7 @@ class MemoryHierarchy:
             for s in seqs:
                 sched.running.remove(s)
                 self._offloaded.pop(s.seq_id, None)
+                self._hashes.pop(s.seq_id, None)
                 s.status, s.num_swaps = SequenceStatus.SWAPPED, s.num_swaps + 1
                 s.clear_spec()
                 out.swapped_out.append(s)
@@ -141,7 +154,8 @@ class MemoryHierarchy:
         tokens loaded (whole blocks; the last token is always computed, as on the device)."""
         if not self.offloading:
             return 0
-        bs, table, hashes = a.block_size, a.block_table(seq.seq_id), a.cached_block_hashes(seq.seq_id)
+        bs, table = a.block_size, a.block_table(seq.seq_id)
+        hashes = self._page_hashes(seq, cached // bs)
         parent, pairs = (hashes[-1] if hashes else None), []
         for i in range(cached // bs, (len(seq) - 1) // bs):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -162,8 +176,10 @@ class MemoryHierarchy:
     def offload(self, a, seq) -> None:
         if not self.offloading or self.write_policy != "write_through" or not a.has_seq(seq.seq_id):
             return
-        hashes = a.cached_block_hashes(seq.seq_id)
-        done = min(self._offloaded.get(seq.seq_id, 0), len(hashes))     # a rollback may have shortened the chain
+        n = a.num_cached_blocks(seq.seq_id)
+        del self._hashes.setdefault(seq.seq_id, [])[n:]                  # a rollback may have shortened the chain
+        hashes = self._page_hashes(seq, n)
+        done = min(self._offloaded.get(seq.seq_id, 0), len(hashes))
         if done == len(hashes):
             self._offloaded[seq.seq_id] = done
             return
@@ -185,6 +201,7 @@ class MemoryHierarchy:
     def forget(self, seq) -> None:
         """Finished, aborted or preempted: its tier watermark goes, and a swapped-out sequence's host blocks."""
         self._offloaded.pop(seq.seq_id, None)
+        self._hashes.pop(seq.seq_id, None)
         if self.host.is_swapped(seq.seq_id):
             self.host.drop(seq.seq_id)
             if not any(self.host.is_swapped(s.seq_id) for s in seq.request.seqs):

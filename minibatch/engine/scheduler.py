@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minibatch.engine.request_queue import RequestQueue
+from minibatch.engine.request_queue import CACHE_AWARE_MAX_WAITING, RequestQueue, check_cache_aware
 from minibatch.sampling.sampler import find_stop
 from minibatch.engine.sequence import Sequence, SequenceStatus
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
@@ -110,13 +110,15 @@ class SchedulerBase:
     adds the choice itself, ``_fill`` (exercise 7 is to write it: ``exercises/ex7_scheduler.py``)."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", order: str = "decode-first"):
+                 policy: str = "fcfs", order: str = "decode-first",
+                 cache_aware_max_waiting: int = CACHE_AWARE_MAX_WAITING):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}; choose one of {list(ORDERS)}")
+        check_cache_aware(policy, allocator)
         self.allocator = allocator
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy, self.order = policy, order
-        self.waiting = RequestQueue(policy)
+        self.waiting = RequestQueue(policy, cache_aware_max_waiting)
         self.running: list[Sequence] = []
         # Slots a verify may take past a sequence's own tokens: a tree of N drafts and depth d is written to N
         # slots but keeps at most d of them (the engine sets it from its proposer; a chain needs none).
@@ -193,6 +195,7 @@ class SchedulerBase:
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.waiting.reorder(self.allocator)               # a cache-aware policy's order follows the cache
         if self.hierarchy is not None:                # swap out, or back in, before the batch is chosen
             self.hierarchy.before_fill(self, out)
         self._fill(out)
@@ -225,7 +228,7 @@ class SchedulerBase:
         if self.hierarchy is not None:                # the prefix the device missed, loaded from the host tier
             cached += self.hierarchy.load_back(self.allocator, seq, cached, out)
         seq.num_computed_tokens = seq.num_cached_tokens = cached
-        self.waiting.remove(seq)
+        self.waiting.remove(seq, admitted=True)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         out.admitted.append(seq)

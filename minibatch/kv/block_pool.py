@@ -120,10 +120,6 @@ class BlockAllocatorBase:
         """Its leading full blocks registered in the prefix cache (or hashed, with caching off: 0)."""
         return len(self._get(seq_id).chain)
 
-    def cached_block_hashes(self, seq_id) -> list:
-        """The chained hashes of its leading cached full blocks (the host tier keys its copies by them)."""
-        return [h for h, _ in self._get(seq_id).chain]
-
     def ref_count(self, block_id: int) -> int:
         if not isinstance(block_id, numbers.Integral) or not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id!r} is not in 0..{self.num_blocks - 1}")
@@ -157,6 +153,12 @@ class BlockAllocatorBase:
     def num_cached_prefix_tokens(self, token_ids) -> int:
         tokens = _as_tokens(token_ids, "token_ids")
         return len(self._lookup(tokens)) * self.block_size if self.enable_prefix_caching else 0
+
+    def cached_prefix_blocks(self, token_ids) -> list:
+        """The blocks of ``token_ids``' longest cached prefix (what ``allocate`` would reuse; the cache-aware
+        scheduling policies read it). Changes nothing."""
+        tokens = _as_tokens(token_ids, "token_ids")
+        return [b for b, _, _ in self._lookup(tokens)] if self.enable_prefix_caching else []
 
     def _evict(self, block: int) -> None:
         e = self._entries.pop(block, None)
@@ -201,6 +203,10 @@ class BlockAllocatorBase:
         del s.blocks[keep:], s.chain[n // self.block_size:]
         s.num_slots = n
 
+    def _reclaim(self, n: int) -> None:
+        """Have ``n`` blocks in the free queue. The hash chain's cached-but-free blocks are in it already; the radix
+        tree (radix_allocator.py) evicts its LRU unlocked leaves into it here."""
+
     # -- swapping (PagedAttention §4.5): whole sequences to the host pool and back ---------------------------------
     def swap_out(self, seq_ids, host) -> list:
         """Move these sequences (one request's, all of them) to ``host`` (a ``HostBlockPool``): their device blocks
@@ -224,8 +230,9 @@ class BlockAllocatorBase:
         for sid in seq_ids:
             self._check_new_id(sid)
         need = self.blocks_to_swap_in(seq_ids, host)
-        if need > len(self._free):
-            raise NoFreeBlocksError(f"swapping in {seq_ids} needs {need} blocks, {len(self._free)} are free")
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"swapping in {seq_ids} needs {need} blocks, {self.num_free_blocks} are free")
+        self._reclaim(need)
         tables, slots, order = host.swap_in(seq_ids)
         dev = {h: self._take_fresh() for h in order}               # each fresh block has ref count 1
         for sid in seq_ids:
@@ -235,6 +242,11 @@ class BlockAllocatorBase:
         return [(h, dev[h]) for h in order]
 
     # -- invariants -------------------------------------------------------------------
+    def _cache_held_blocks(self) -> set:
+        """Blocks of ref count 0 that a prefix cache keeps out of the free queue: none for the hash chain (its
+        cached-but-free blocks wait in the queue); the radix tree's evictable blocks (``radix_allocator.py``)."""
+        return set()
+
     def check_invariants(self, live_seq_ids=None) -> None:
         bs, counts = self.block_size, [0] * self.num_blocks
         if live_seq_ids is not None:
@@ -250,7 +262,8 @@ class BlockAllocatorBase:
                 e = self._entries.get(b)
                 assert e is None or i >= len(s.chain) or s.chain[i][1] == e.serial, f"{sid!r}: chain broken"
         assert counts == self._ref, f"ref counts {self._ref} != block-table occurrences {counts}"
-        free = [b for b in range(self.num_blocks) if counts[b] == 0]
+        held = self._cache_held_blocks()
+        free = [b for b in range(self.num_blocks) if counts[b] == 0 and b not in held]
         assert sorted(self._free) == free, f"free queue {list(self._free)} != blocks with ref 0 {free}"
         assert len(self._cache) == len(self._entries), "cache maps disagree"
         for h, b in self._cache.items():
