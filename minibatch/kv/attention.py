@@ -20,9 +20,9 @@ already computed, new tokens) into tensors *once per step*, checking them as it
 goes; ``positions`` come from here too, so the model is fed the positions the
 attention assumes. Per layer, ``PagedAttention`` then **stores** the new tokens'
 K and V at their slots (the slot mapping) and **attends** through a backend
-(``minibatch/kv/backends.py``): "loop" (the teaching version), "batched" (the
+(``minibatch/kv/backends/``, one module each): "loop" (the teaching version), "batched" (the
 default on a GPU), "triton" (``kernels/``) or "cpu" (the default on a CPU: a C++ operator that reads the
-blocks in place, ``cpu_attention.py``, with SDPA for long prefill chunks). The per-layer call checks nothing
+blocks in place, ``backends/cpu_kernel.py``, with SDPA for long prefill chunks). The per-layer call checks nothing
 again, unless ``MINIBATCH_DEBUG_CHECKS=1`` (or ``PagedAttention(..., debug=True)``)
 asks every backend to re-check its inputs on every call.
 """
@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.kv import backends, checks, cpu_attention
+from minibatch.kv import backends, checks
 from minibatch.kv.kv_cache import KVCache
 from minibatch.kv.metadata import AttentionMetadata
 
@@ -61,7 +61,7 @@ def default_backend(device, cuda_graph_mode: str = "auto") -> str:
     "compile" then stops, saying it needs "cpu"), except under cuda_graph_mode="eager-replay", whose static
     batch needs a graph-safe backend; "batched" on a GPU."""
     if torch.device(device).type == "cpu" and cuda_graph_mode != "eager-replay":
-        return "cpu" if cpu_attention.load() is not None else "batched"
+        return "cpu" if backends.cpu_kernel.load() is not None else "batched"
     return "batched"
 
 

@@ -1,8 +1,8 @@
 """The checks every attention backend shares: one clear error before anything is written.
 
-The public backend functions (``backends.store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``)
-check what they are handed (``_check_attention``: the caches, ``check_metadata``, ``check_tree_bits``), so a student
-or a test calling one directly gets a clear error. Inside the engine ``AttentionMetadata.build`` made the metadata
+The public backend functions (``backends.store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``,
+``paged_attention_cpu``) check what they are handed (``_check_attention``: the caches, ``check_metadata``,
+``check_tree_bits``), so a student or a test calling one directly gets a clear error. Inside the engine ``AttentionMetadata.build`` made the metadata
 and checked it once; with debug checks on (``MINIBATCH_DEBUG_CHECKS=1``) ``PagedAttention`` re-checks it and every
 layer's q, k, v (``check_layer_inputs``). ``check_accepts`` says clearly when a student's function lacks a
 parameter a step needs (``tree_bits``).
