@@ -97,10 +97,10 @@ _THROUGH_2 = ("exercises.attention_through(query, key_cache, value_cache, block_
               "scale{})")
 _PAGED_ATTENTION_ELSEWHERE = (
     ("minibatch.kv.backends.batched", "paged_attention_batched",
-     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_batched'")),
+     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_batched', k_scale=k_scale, v_scale=v_scale")),
     ("minibatch.kv.backends.batched", "_batched", "exercises.attention_through(query, key_cache, value_cache, "
                                                   "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
-                                                  "tree_bits=md.tree_bits)"),
+                                                  "tree_bits=md.tree_bits, k_scale=k_scale, v_scale=v_scale)"),
     ("minibatch.kv.backends.plan", "_plan", None),
     ("minibatch.kv.backends.plan", "_static_decode_plan", None),
     ("minibatch.kv.backends.plan", "_buckets", None),
@@ -479,23 +479,30 @@ def store_through(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
-                      who=None):
+                      who=None, k_scale=None, v_scale=None):
     """Paged attention of any step (prefill, chunks, decodes, verification, a token tree) by exercise 2's function,
     the engine's ``backends.loop.paged_attention_loop``. That function knows the causal mask only, so a step with a tree
-    goes as one decode per query row (``as_decodes``). ``who``: check the inputs first, as that function would."""
+    goes as one decode per query row (``as_decodes``). ``who``: check the inputs first, as that function would.
+    k_scale, v_scale: a quantized cache's scales (``kv/quant.py``), handed on (a student's function must take them)."""
     import torch
     from minibatch.kv.backends import loop
     if who is not None:
         from minibatch.kv.checks import _check_attention
         _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who,
-                         tree_bits)
+                         tree_bits, k_scale, v_scale)
     if query.shape[0] == 0:
         return torch.zeros_like(query)
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     if tree_bits is not None and not _only_causal(tree_bits, query_start_loc):
+        if scales and k_scale.numel() != 1:      # per (token, head): the gathered rows' scales go with them
+            ks, vs, _, _ = as_decodes(k_scale[..., None], v_scale[..., None], block_tables, seq_lens,
+                                      query_start_loc, tree_bits)
+            scales = {"k_scale": ks[..., 0].contiguous(), "v_scale": vs[..., 0].contiguous()}
         key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
                                                                     query_start_loc, tree_bits)
         query_start_loc = torch.arange(query.shape[0] + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
-    return loop.paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return loop.paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     **scales)
 
 
 def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out):

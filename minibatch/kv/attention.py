@@ -88,6 +88,9 @@ class PagedAttention:
         if metadata.max_block_id >= kv_cache.num_blocks:
             raise ValueError(f"PagedAttention: a block table holds block {metadata.max_block_id}, but the cache has "
                              f"{kv_cache.num_blocks} blocks")
+        if kv_cache.kv_cache_dtype != "auto" and backend not in backends.QUANTIZED_BACKENDS:
+            raise ValueError(f"PagedAttention: kv_cache_dtype {kv_cache.kv_cache_dtype!r} is read by the attention "
+                             f"backends {list(backends.QUANTIZED_BACKENDS)} only so far, not {backend!r}")
         self._store, self._attend = backends.get(backend, checked=self.debug)
         self.kv_cache, self.metadata, self.backend = kv_cache, metadata, backend
 
@@ -96,5 +99,7 @@ class PagedAttention:
         if self.debug:
             checks.check_layer_inputs(c, md, q, k, v)
         key_cache, value_cache = c.key_cache(layer_idx), c.value_cache(layer_idx)
-        self._store(k, v, key_cache, value_cache, md.slot_mapping)        # 1) this step's K/V into their slots
-        return self._attend(q, key_cache, value_cache, md, c.head_dim ** -0.5)   # 2) attend
+        c.calibrate(layer_idx, k, v)             # calculate_kv_scales: the first batch sets the layer's scales
+        scales = c.layer_scales(layer_idx)       # {} unless the blocks are quantized (kv/quant.py)
+        self._store(k, v, key_cache, value_cache, md.slot_mapping, **scales)      # 1) this step's K/V into their slots
+        return self._attend(q, key_cache, value_cache, md, c.head_dim ** -0.5, **scales)   # 2) attend

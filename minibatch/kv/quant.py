@@ -1,4 +1,4 @@
-"""Quantized KV blocks, in torch: the dtypes, the scales, quantize and dequantize. The reference every kernel is held to.
+"""Quantized KV blocks in torch: the dtypes, the scales, quantize and dequantize; the reference kernels are held to.
 
 After grouped-query attention, the second lever on KV memory is to store K and V in fewer bits. vLLM's
 ``kv_cache_dtype`` names the choices, and so does this module:
@@ -153,7 +153,7 @@ def dequantize(q: torch.Tensor, scale: Optional[Scale], out_dtype: torch.dtype) 
     """q [..., D] (quantized, or the model's dtype for "auto") -> q * scale [..., D] in out_dtype.
 
     scale: None for an unquantized q; else a number or one-element tensor, or a float tensor q.shape[:-1]."""
-    if q.dtype not in _quantized_dtypes():
+    if q.dtype not in quantized_dtypes():
         if scale is not None:
             raise ValueError(f"dequantize: q is {q.dtype}, not a quantized dtype: pass scale=None")
         return q.to(out_dtype)
@@ -165,7 +165,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) ->
     return (q.to(SCALE_DTYPE) * scale).to(out_dtype)
 
 
-def _quantized_dtypes() -> tuple:
+def quantized_dtypes() -> tuple:
     return tuple(d for d in (getattr(torch, n, None) for n in _TORCH_NAMES.values()) if isinstance(d, torch.dtype))
 
 
@@ -180,10 +180,20 @@ def calibrate_scale(x: torch.Tensor, kv_cache_dtype: str) -> float:
 
 def token_head_scales(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     """x [T, Hkv, D] -> scales [T, Hkv] float32: each (token, head)'s amax over D / max (1.0 where all zero)."""
-    amax = x.detach().abs().amax(dim=-1).to(SCALE_DTYPE)             # [T, Hkv]
-    if not bool(torch.isfinite(amax).all()):
+    if not bool(torch.isfinite(x).all()):
         raise ValueError("token_head_scales: x holds a non-finite value; no scale fits it")
-    return torch.where(amax > 0, amax / max_representable(kv_cache_dtype), torch.ones_like(amax))
+    return _token_head_scales(x, max_representable(kv_cache_dtype))
+
+
+def _token_head_scales(x: torch.Tensor, max_value: float) -> torch.Tensor:
+    """The body, without the host sync of the check (the engine's store calls it every layer)."""
+    amax = x.detach().abs().amax(dim=-1).to(SCALE_DTYPE)             # [T, Hkv]
+    return torch.where(amax > 0, amax / max_value, torch.ones_like(amax))
+
+
+def kv_cache_dtype_of(dtype: torch.dtype) -> str:
+    """The kv_cache_dtype a pool of ``dtype`` was made for: "auto" for an unquantized one."""
+    return next((n for n, attr in _TORCH_NAMES.items() if getattr(torch, attr, None) == dtype), "auto")
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto",

@@ -35,8 +35,11 @@ from minibatch.kv.backends.cpu import paged_attention_cpu
 from minibatch.kv.backends.loop import paged_attention_loop, store_kv_torch
 from minibatch.kv.checks import check_accepts
 
-__all__ = ["get", "store_kv_torch", "paged_attention_loop", "paged_attention_batched", "paged_attention_cpu",
-           "loop", "batched", "cpu", "cpu_kernel", "plan", "triton"]
+# The backends that read quantized blocks (kv/quant.py) so far; "cpu" and "triton" will (the quantized-KV issue)
+QUANTIZED_BACKENDS = ("loop", "batched")
+
+__all__ = ["get", "QUANTIZED_BACKENDS", "store_kv_torch", "paged_attention_loop", "paged_attention_batched",
+           "paged_attention_cpu", "loop", "batched", "cpu", "cpu_kernel", "plan", "triton"]
 
 
 def _tree(md, fn=None) -> dict:
@@ -49,16 +52,24 @@ def _tree(md, fn=None) -> dict:
     return {"tree_bits": md.tree_bits}
 
 
+def _scales(scales: dict, fn=None) -> dict:
+    """k_scale=, v_scale=, only for a quantized cache; a student's function without them stops clearly (see _tree)."""
+    if scales and fn is not None:
+        check_accepts(fn, list(scales), f"{fn.__module__}.{fn.__name__}")
+    return scales
+
+
 def _checked(fn):
     """A backend body that re-checks its inputs on every call (debug checks)."""
-    def attend(query, key_cache, value_cache, md, scale):
+    def attend(query, key_cache, value_cache, md, scale, **scales):
         return fn(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                  **_tree(md, fn))
+                  **_tree(md, fn), **_scales(scales, fn))
     return attend
 
 
 def get(backend: str, checked: bool = False):
-    """(store, attend) of a backend; attend(query, key_cache, value_cache, metadata, scale) -> [T, H, D]."""
+    """(store, attend) of a backend; attend(query, key_cache, value_cache, metadata, scale) -> [T, H, D].
+    A quantized cache's scales go to both as k_scale=, v_scale= (QUANTIZED_BACKENDS: the backends that take them)."""
     if backend == "cpu":          # the C++ operator, built at the first call; where it cannot be, "batched"
         if cpu_kernel.load() is None:                    # (load() said why, once)
             backend = "batched"
@@ -79,6 +90,7 @@ def get(backend: str, checked: bool = False):
         attend = loop.paged_attention_loop if backend == "loop" else batched.paged_attention_batched
         return store_kv_torch, _checked(attend)
     if backend == "loop":            # looked up at each call, so exercises.patch_engine can swap in a student's
-        return loop._store, lambda q, kc, vc, md, s: loop.paged_attention_loop(
-            q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md, loop.paged_attention_loop))
+        return loop._store, lambda q, kc, vc, md, s, **kv: loop.paged_attention_loop(
+            q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md, loop.paged_attention_loop),
+            **_scales(kv, loop.paged_attention_loop))
     return loop._store, batched._batched

@@ -4,7 +4,9 @@ Every backend reads the step's K/V from the paged cache (this step's own K/V are
 ``store_kv_torch`` here or a backend's own store), position p of sequence b living in physical block
 ``block_tables[b, p // block_size]`` at offset ``p % block_size`` (``kv/kv_cache.py``), and computes causal
 attention with a context offset: query i of sequence b sits at position ``seq_lens[b] - q_len_b + i``.
-Grouped-query attention: query head h reads kv head ``h // (H // Hkv)``.
+Grouped-query attention: query head h reads kv head ``h // (H // Hkv)``. Quantized blocks (``kv/quant.py``): the
+store quantizes with the layer's scales (per tensor: read; per token and head: computed from the rows and written
+beside them, ``k_scale`` / ``v_scale`` [num_blocks, block_size, Hkv]), and attention dequantizes what it gathers.
 
 A token tree adds one mask (SpecInfer, Miao et al. 2024, §4.1): ``tree_bits`` [T] int64, bit i of row t set =
 query t sees this step's token i (cache index ``context_len + i``); the context stays visible and -1 is
@@ -20,19 +22,22 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.kv.checks import _check_attention, _check_cache
+from minibatch.kv import quant
+from minibatch.kv.checks import _check_attention, _check_cache, check_scales
 
 
 # -- store ------------------------------------------------------------------------------
-def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """key, value [T, Hkv, D] -> cache slot slot_mapping[t] (in place); slot -1 is skipped."""
+def store_kv_torch(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+    """key, value [T, Hkv, D] -> cache slot slot_mapping[t] (in place); slot -1 is skipped. A quantized cache
+    takes its scales: one element each (per tensor), or [num_blocks, block_size, Hkv] each, written here."""
     who = "store_kv_torch"
     _check_cache(key_cache, value_cache, who)
+    quantized = check_scales(key_cache, k_scale, v_scale, who)
     N, bs, Hkv, D = key_cache.shape
     for name, x in (("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != (Hkv, D) or x.dim() != 3:
             raise ValueError(f"{who}: {name} must be [T, {Hkv}, {D}] to fit the cache")
-        if x.dtype != key_cache.dtype or x.device != key_cache.device:
+        if (not x.is_floating_point() if quantized else x.dtype != key_cache.dtype) or x.device != key_cache.device:
             raise TypeError(f"{who}: {name} is {x.dtype} on {x.device}, the cache {key_cache.dtype} "
                             f"on {key_cache.device}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (key.shape[0],) \
@@ -46,10 +51,10 @@ def store_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
         raise ValueError(f"{who}: a slot is outside -1..{N * bs - 1} (num_blocks * block_size)")
     if slots.unique().numel() != slots.numel():
         raise ValueError(f"{who}: two tokens map to one slot")
-    _store(key[keep], value[keep], key_cache, value_cache, slots)
+    _store(key[keep], value[keep], key_cache, value_cache, slots, k_scale, v_scale)
 
 
-def _store(key, value, key_cache, value_cache, slot_mapping) -> None:
+def _store(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """The store itself, on slots already checked. A slot of -1 (a padding row of a fixed-shape decode batch,
     ``engine/input_batch.py``) writes nowhere, with no data-dependent shape: it rewrites row 0's slot with row 0's
     own K/V, a duplicate write of equal values, so the order of the writes cannot matter (row 0 is always real)."""
@@ -57,17 +62,33 @@ def _store(key, value, key_cache, value_cache, slot_mapping) -> None:
     pad = slot_mapping < 0                                                       # [T]
     slots = torch.where(pad, slot_mapping[:1], slot_mapping)
     key, value = (torch.where(pad[:, None, None], x[:1], x) for x in (key, value))
+    if k_scale is not None:                  # quantized blocks: each row quantized on its way in (vLLM's store)
+        key = _quantize_rows(key, key_cache.dtype, k_scale, slots)
+        value = _quantize_rows(value, value_cache.dtype, v_scale, slots)
+        if key_cache.is_floating_point():    # fp8: torch has no index_copy_ for it; its bytes copy as uint8
+            key_cache, value_cache, key, value = (x.view(torch.uint8) for x in (key_cache, value_cache, key, value))
     key_cache.view(N * bs, Hkv, D).index_copy_(0, slots, key)
     value_cache.view(N * bs, Hkv, D).index_copy_(0, slots, value)
 
 
+def _quantize_rows(x, dtype, scale, slots):
+    """x [T, Hkv, D] -> x quantized to ``dtype``. Per tensor, with the layer's scale; per (token, head), with each
+    row's own (amax / max), written into the scale cache [num_blocks, block_size, Hkv] at the row's slot."""
+    if scale.numel() == 1:
+        return quant._quantize(x, dtype, scale.reshape(()))
+    s = quant._token_head_scales(x, quant.max_representable(quant.kv_cache_dtype_of(dtype)))   # [T, Hkv]
+    scale.view(-1, x.shape[1]).index_copy_(0, slots, s)
+    return quant._quantize(x, dtype, s[..., None])
+
+
 # -- attend: the teaching version (backend "loop") ---------------------------------------------------------
 def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                         tree_bits=None):
+                         tree_bits=None, k_scale=None, v_scale=None):
     """query [T, H, D] -> out [T, H, D]; one sequence at a time, gathered through its block table.
-    tree_bits [T] int64 or None: the token-tree mask of each row (see the module docstring)."""
+    tree_bits [T] int64 or None: the token-tree mask of each row (see the module docstring).
+    k_scale, v_scale: a quantized cache's scales (one element, or [num_blocks, block_size, Hkv]), else None."""
     _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     "paged_attention_loop", tree_bits)
+                     "paged_attention_loop", tree_bits, k_scale, v_scale)
     T, H, D = query.shape
     N, bs, Hkv, _ = key_cache.shape
     out = torch.zeros_like(query)
@@ -80,6 +101,9 @@ def paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, 
         blocks = block_tables[b, :-(-L // bs)].long()                  # its physical blocks, in logical order
         k = key_cache[blocks].reshape(-1, Hkv, D)[:L].float()          # [L, Hkv, D]: positions 0..L-1
         v = value_cache[blocks].reshape(-1, Hkv, D)[:L].float()
+        if k_scale is not None:              # quantized blocks, dequantized as gathered: this sequence's only
+            k, v = (x * (sc if sc.numel() == 1 else sc[blocks].reshape(-1, Hkv)[:L, :, None])
+                    for x, sc in ((k, k_scale), (v, v_scale)))
         k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # [L, H, D]: head h -> kv head h // G
         scores = torch.einsum("qhd,khd->hqk", query[s:e].float(), k) * scale   # [H, n, L]
         q_pos = torch.arange(L - n, L, device=query.device)[:, None]  # its queries are the last n positions
