@@ -38,8 +38,10 @@ from minibatch.kv.checks import check_accepts
 # The backends that read quantized blocks (kv/quant.py) so far; "cpu" and "triton" will (the quantized-KV issue)
 QUANTIZED_BACKENDS = ("loop", "batched")
 
+# (the modules loop, batched, cpu, cpu_kernel, plan and triton are attributes too, left out of a star import: one
+# named triton would shadow Triton itself)
 __all__ = ["get", "QUANTIZED_BACKENDS", "store_kv_torch", "paged_attention_loop", "paged_attention_batched",
-           "paged_attention_cpu", "loop", "batched", "cpu", "cpu_kernel", "plan", "triton"]
+           "paged_attention_cpu"]
 
 
 def _tree(md, fn=None) -> dict:
