@@ -76,16 +76,16 @@ class Piece:
 
 
 def _schema_only(literal: str) -> str:
-    """The C++ source of ``minibatch/kv/cpu_attention.py`` (a string literal) cut down to its operator's schema
+    """The C++ source of ``minibatch/kv/backends/cpu_kernel.py`` (a string literal) cut down to its operator's schema
     (``TORCH_LIBRARY_FRAGMENT``): a literal of a source that registers the operator and computes nothing."""
     import re
     source = ast.literal_eval(literal)
     m = re.search(r"TORCH_LIBRARY_FRAGMENT\(minibatch, m\) \{.*?\n\}", source, re.S)
     if m is None:
-        raise ValueError("minibatch/kv/cpu_attention.py: SOURCE has no TORCH_LIBRARY_FRAGMENT(minibatch, m) { ... }")
+        raise ValueError("minibatch/kv/backends/cpu_kernel.py: SOURCE has no TORCH_LIBRARY_FRAGMENT(minibatch, m) { ... }")
     return repr("// held out of the student release: the operators' schemas only; minibatch::paged_attention_cpu is\n"
-                "// computed through your exercises/ex2_paged_attention.py (cpu_attention.attend), and the store\n"
-                "// (cpu_attention.store) by the engine's torch store\n"
+                "// computed through your exercises/ex2_paged_attention.py (backends/cpu.py's attend), and the store\n"
+                "// (cpu.py's store) by the engine's torch store\n"
                 "#include <torch/library.h>\n\n" + m.group(0) + "\n")
 
 
@@ -96,25 +96,26 @@ def _schema_only(literal: str) -> str:
 _THROUGH_2 = ("exercises.attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, "
               "scale{})")
 _PAGED_ATTENTION_ELSEWHERE = (
-    ("minibatch.kv.backends", "paged_attention_batched",
-     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_batched'")),
-    ("minibatch.kv.backends", "_batched", "exercises.attention_through(query, key_cache, value_cache, "
-                                          "md.block_tables, md.seq_lens, md.query_start_loc, scale, tree_bits=md.tree_bits)"),
-    ("minibatch.kv.backends", "_plan", None),
-    ("minibatch.kv.backends", "_static_decode_plan", None),
-    ("minibatch.kv.backends", "_buckets", None),
+    ("minibatch.kv.backends.batched", "paged_attention_batched",
+     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_batched', k_scale=k_scale, v_scale=v_scale")),
+    ("minibatch.kv.backends.batched", "_batched", "exercises.attention_through(query, key_cache, value_cache, "
+                                                  "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
+                                                  "tree_bits=md.tree_bits, k_scale=k_scale, v_scale=v_scale)"),
+    ("minibatch.kv.backends.plan", "_plan", None),
+    ("minibatch.kv.backends.plan", "_static_decode_plan", None),
+    ("minibatch.kv.backends.plan", "_buckets", None),
     ("minibatch.kv.attention", "GRAPH_SAFE_BACKENDS", "tuple(b for b in $VALUE if b != 'batched')"),
     # the C++ source keeps only the operator's schema: it still builds (or says why not, as before), and the
     # Python entry points below compute through the student's function
-    ("minibatch.kv.cpu_attention", "SOURCE", lambda value: _schema_only(value)),
-    ("minibatch.kv.cpu_attention", "paged_attention_cpu",
+    ("minibatch.kv.backends.cpu_kernel", "SOURCE", lambda value: _schema_only(value)),
+    ("minibatch.kv.backends.cpu", "paged_attention_cpu",
      _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_cpu'")),
-    ("minibatch.kv.cpu_attention", "attend", "exercises.attention_through(query, key_cache, value_cache, "
-                                             "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
-                                             "tree_bits=md.tree_bits)"),
+    ("minibatch.kv.backends.cpu", "attend", "exercises.attention_through(query, key_cache, value_cache, "
+                                            "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
+                                            "tree_bits=md.tree_bits)"),
     # the same library's store has a schema and no body there either: the engine's torch store stands in
-    ("minibatch.kv.cpu_attention", "store", "exercises.store_through(key, value, key_cache, value_cache, "
-                                            "slot_mapping)"),
+    ("minibatch.kv.backends.cpu", "store", "exercises.store_through(key, value, key_cache, value_cache, "
+                                           "slot_mapping)"),
     ("minibatch.bench.attention", "local_paged_reference", _THROUGH_2.format("")),
     ("kernels.paged_attention", "_paged_attention_kernel", None),
     ("kernels.paged_attention", "_launch", "out.copy_(" + _THROUGH_2.format(", tree_bits=tree_bits") + ")"),
@@ -137,7 +138,7 @@ _PAGED_DECODE_ELSEWHERE = (
 
 PIECES = {p.name: p for p in (
     Piece("slot_mapping", "ex1", "ex1_slot_mapping", "slot_mapping", "minibatch.kv.kv_cache", "slot mapping"),
-    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends",
+    Piece("paged_attention", "ex2", "ex2_paged_attention", "paged_attention_torch", "minibatch.kv.backends.loop",
           "paged attention", ref_func="paged_attention_loop", elsewhere=_PAGED_ATTENTION_ELSEWHERE),
     Piece("top_k_top_p", "ex3", "ex3_top_k_top_p", "apply_top_k_top_p", "minibatch.sampling.sampler", "top-k / top-p",
           helpers=("top_k_top_p_batched",),
@@ -178,7 +179,7 @@ def in_order(names) -> list:
 # (module, attribute) holds the piece's ``func``; (module, attribute, function) one of its ``also``.
 CALL_SITES = {
     "slot_mapping": [("minibatch.kv.kv_cache", "slot_mapping"), ("minibatch.kv.metadata", "_slot_mapping")],
-    "paged_attention": [("minibatch.kv.backends", "paged_attention_loop")],     # the "loop" backend
+    "paged_attention": [("minibatch.kv.backends.loop", "paged_attention_loop")],     # the "loop" backend
     # called by probabilities(); an engine built while the patch holds samples with it (its sampling part)
     "top_k_top_p": [("minibatch.sampling.sampler", "apply_top_k_top_p"), ("minibatch.engine.engine", "TOP_K_TOP_P")],
     "rejection_sampler": [("minibatch.spec_decode.rejection_sampler", "rejection_sample"),
@@ -219,7 +220,7 @@ def _decode_first(student_decode, general):
 
 
 def _decode_first_in_engine(student_decode, attend):
-    """The engine's "triton" attention (``minibatch.kv.backends._triton_attend``: query, caches, the step's
+    """The engine's "triton" attention (``minibatch.kv.backends.triton._triton_attend``: query, caches, the step's
     metadata, scale) with decode-only steps handed to ``student_decode``."""
     def triton_attend(query, key_cache, value_cache, md, scale):
         if md.max_query_len == 1 and query.shape[0] == len(md.seq_lens_list):
@@ -241,7 +242,7 @@ def static_over(scheduler_cls, old=None):
 # piece -> [(module, attribute, make(student_fn, the attribute's current value) -> replacement)].
 ADAPTED_SITES = {
     "paged_decode": [("kernels", "paged_attention", _decode_first),                 # direct and debug calls
-                     ("minibatch.kv.backends", "_triton_attend", _decode_first_in_engine)],   # the engine's
+                     ("minibatch.kv.backends.triton", "_triton_attend", _decode_first_in_engine)],   # the engine's
     "scheduler": [("minibatch.engine.engine", "StaticScheduler", static_over)],      # scheduling="static"
 }
 
@@ -429,7 +430,7 @@ def as_decodes(key_cache, value_cache, block_tables, seq_lens, query_start_loc, 
     """Every query row of a paged-attention step as a decode of a sequence of its own: (key_cache, value_cache,
     block_tables [T, W], seq_lens [T]) such that decode attention of query row t over sequence t is the step's
     attention for row t. Without a tree, row t (query i of sequence b) sees the prefix of b up to its own position:
-    the same blocks, a shorter length, nothing copied. With a tree (``tree_bits``, see ``minibatch/kv/backends.py``)
+    the same blocks, a shorter length, nothing copied. With a tree (``tree_bits``, see ``minibatch/kv/backends/loop.py``)
     it sees the context and its ancestors, not a prefix: their keys and values are gathered, in order, into blocks
     of a cache of their own, found through the slot mapping (``kv_cache.slot_mapping``, exercise 1's)."""
     import torch
@@ -475,29 +476,36 @@ def _only_causal(tree_bits, query_start_loc) -> bool:
 
 def store_through(key, value, key_cache, value_cache, slot_mapping) -> None:
     """The "cpu" backend's store in a release whose C++ source is the schemas only (``_schema_only``): the engine's
-    torch store (``backends._store``: the same slots written, -1 skipped)."""
-    from minibatch.kv import backends
-    backends._store(key, value, key_cache, value_cache, slot_mapping)
+    torch store (``backends.loop._store``: the same slots written, -1 skipped)."""
+    from minibatch.kv.backends import loop
+    loop._store(key, value, key_cache, value_cache, slot_mapping)
 
 
 def attention_through(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
-                      who=None):
+                      who=None, k_scale=None, v_scale=None):
     """Paged attention of any step (prefill, chunks, decodes, verification, a token tree) by exercise 2's function,
-    the engine's ``backends.paged_attention_loop``. That function knows the causal mask only, so a step with a tree
-    goes as one decode per query row (``as_decodes``). ``who``: check the inputs first, as that function would."""
+    the engine's ``backends.loop.paged_attention_loop``. That function knows the causal mask only, so a step with a tree
+    goes as one decode per query row (``as_decodes``). ``who``: check the inputs first, as that function would.
+    k_scale, v_scale: a quantized cache's scales (``kv/quant.py``), handed on (a student's function must take them)."""
     import torch
-    from minibatch.kv import backends
+    from minibatch.kv.backends import loop
     if who is not None:
         from minibatch.kv.checks import _check_attention
         _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who,
-                         tree_bits)
+                         tree_bits, k_scale, v_scale)
     if query.shape[0] == 0:
         return torch.zeros_like(query)
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     if tree_bits is not None and not _only_causal(tree_bits, query_start_loc):
+        if scales and k_scale.numel() != 1:      # per (token, head): the gathered rows' scales go with them
+            ks, vs, _, _ = as_decodes(k_scale[..., None], v_scale[..., None], block_tables, seq_lens,
+                                      query_start_loc, tree_bits)
+            scales = {"k_scale": ks[..., 0].contiguous(), "v_scale": vs[..., 0].contiguous()}
         key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
                                                                     query_start_loc, tree_bits)
         query_start_loc = torch.arange(query.shape[0] + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
-    return backends.paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return loop.paged_attention_loop(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     **scales)
 
 
 def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out):

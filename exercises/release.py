@@ -64,7 +64,7 @@ GUARD_CELL = ["# Student release: a cell that needs an exercise you have not fin
 # A module whose cut source builds a native library at first use, and the name of that build: the release's gets a
 # name of its own, so a release built and run on the instructor's machine never shares (and so never overwrites) the
 # instructor's compiled library in the build cache (the release's C++ source is the operator's schema only).
-OWN_BUILDS = {"minibatch.kv.cpu_attention": ('"minibatch_paged_attention_cpu"', '"minibatch_paged_attention_cpu_release"')}
+OWN_BUILDS = {"minibatch.kv.backends.cpu_kernel": ('"minibatch_paged_attention_cpu"', '"minibatch_paged_attention_cpu_release"')}
 
 
 def module_path(p: exercises.Piece) -> str:

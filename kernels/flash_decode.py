@@ -30,7 +30,7 @@ This kernel fixes both, and was chosen by counting, as no GPU was at hand to tim
   (Those figures are without alignment hints; at the engine's real launches, 16-byte-aligned, the test
   reports 62-96 registers for every flash_decode specialisation, 4 KiB of shared memory at most.)
 
-The triton backend (``minibatch/kv/backends.py``) dispatches a step here when every sequence has
+The triton backend (``minibatch/kv/backends/triton.py``) dispatches a step here when every sequence has
 exactly one new token and there is no tree; the rest (prefill, chunks, verify, trees) goes to
 ``paged_attention``. Per-step values (the block-table width, the keys per split, the split count)
 are ``do_not_specialize``: a wider table is a new value, not a new compile.

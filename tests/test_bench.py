@@ -86,8 +86,8 @@ def test_bench_profile_splits_a_decode_step_into_its_rows(capsys):
     """`bench profile`: one column per backend, every row printed, the shares of a column summing to the step; the
     "batched" column's time includes a gather, the "cpu" column's the C++ operator (when it builds) and no SDPA."""
     from minibatch.bench import step_profile
-    from minibatch.kv import cpu_attention
-    cols = "batched,cpu" if cpu_attention.load() is not None else "batched"
+    from minibatch.kv.backends import cpu_kernel
+    cols = "batched,cpu" if cpu_kernel.load() is not None else "batched"
     assert step_profile.main(["--attention-backend", cols, "--max-num-seqs", "3", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     rows = {line[:54].strip(): [float(x.rstrip("%")) for x in line[54:].split()]

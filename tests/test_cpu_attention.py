@@ -1,4 +1,4 @@
-"""Backend "cpu" (minibatch/kv/cpu_attention.py): the C++ operator that reads the KV blocks in place.
+"""Backend "cpu" (minibatch/kv/backends/cpu.py, cpu_kernel.py): the C++ operator that reads the KV blocks in place.
 
 Against an independent float64 oracle (each sequence's K/V kept contiguous when the cache was filled, the
 causal-offset and tree masks applied in float64), against ``paged_attention_loop`` (the teaching version, which
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from minibatch import LLM, SamplingParams
-from minibatch.kv import backends, cpu_attention
+from minibatch.kv import backends
+from minibatch.kv.backends import cpu, cpu_kernel
 from minibatch.kv.attention import AttentionMetadata, PagedAttention
 from minibatch.kv.backends import paged_attention_batched, paged_attention_loop
 from minibatch.kv.kv_cache import KVCache, block_table_tensor
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def op():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = cpu_attention.load()
+        got = cpu_kernel.load()
     if got is None:
         pytest.skip(f"the C++ operator cannot be built here: {[str(w.message) for w in caught]}")
     return got
@@ -116,7 +117,7 @@ def test_equals_the_float64_oracle_the_loop_and_batched(op, case, H, Hkv, bs, dt
     dt, tol = DTYPES[dtype]
     x = make_step(case, H, Hkv, bs, dtype=dt, seed=bs + 7 * Hkv)
     scale = 64 ** -0.5
-    out = cpu_attention.paged_attention_cpu(*args(x), scale, tree_bits=x["tree_bits"])
+    out = cpu.paged_attention_cpu(*args(x), scale, tree_bits=x["tree_bits"])
     assert out.shape == x["q"].shape and out.dtype == dt and not out.isnan().any()
     torch.testing.assert_close(out.double(), oracle(x, scale), **tol)
     batched = paged_attention_batched(*args(x), scale, tree_bits=x["tree_bits"])
@@ -129,14 +130,14 @@ def test_equals_the_float64_oracle_the_loop_and_batched(op, case, H, Hkv, bs, dt
 @pytest.mark.parametrize("D", [24, 40, 128])
 def test_head_dims_that_are_not_a_vector_multiple(op, D):
     x = make_step("mixed", 4, 2, 16, D=D, seed=D)
-    out = cpu_attention.paged_attention_cpu(*args(x), D ** -0.5, tree_bits=x["tree_bits"])
+    out = cpu.paged_attention_cpu(*args(x), D ** -0.5, tree_bits=x["tree_bits"])
     torch.testing.assert_close(out.double(), oracle(x, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
 def test_float64_in_is_float64_math(op):
     """With float64 inputs the kernel accumulates in float64 (opmath), so it meets the oracle at 1e-12."""
     x = make_step("mixed", 4, 2, 8, dtype=torch.float64, seed=3)
-    out = cpu_attention.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
+    out = cpu.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
     torch.testing.assert_close(out, oracle(x, 0.125), atol=1e-12, rtol=1e-12)
 
 
@@ -145,7 +146,7 @@ def test_a_nan_in_a_slot_that_is_read_shows(op):
     x = make_step("mixed", 4, 2, 8)
     L = x["spec"][0][1]
     x["kc"][x["tables"][0][(L - 1) // 8], (L - 1) % 8] = float("nan")
-    out = cpu_attention.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
+    out = cpu.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
@@ -153,8 +154,8 @@ def test_the_tree_mask_is_honoured(op):
     """A tree step differs from the same step without its mask on exactly the rows whose mask is not the causal
     one (a node whose ancestors are not all the nodes before it): the kernel reads tree_bits, row by row."""
     x = make_step("trees", 4, 2, 16)
-    with_tree = cpu_attention.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
-    causal = cpu_attention.paged_attention_cpu(*args(x), 0.125)
+    with_tree = cpu.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
+    causal = cpu.paged_attention_cpu(*args(x), 0.125)
     differ = ((with_tree - causal).abs().amax((1, 2)) > 0).tolist()
     node = [i for n, _, _ in x["spec"] for i in range(n)]
     not_causal = [b != -1 and b != (1 << (i + 1)) - 1 for b, i in zip(x["tree_bits"].tolist(), node)]
@@ -165,7 +166,7 @@ def test_strided_query_and_two_threads_give_the_same_bits(op):
     """The model hands q as a view of the fused qkv projection (rows strided); OpenMP's split over (sequence,
     KV head) keeps every item's arithmetic the same, so 2 threads give bit-identical output."""
     x = make_step("mixed", 4, 2, 16, seed=5)
-    ref = cpu_attention.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
+    ref = cpu.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
     qkv = torch.randn(x["q"].shape[0], 3, *x["q"].shape[1:])
     qkv[:, 0] = x["q"]
     strided = qkv[:, 0]
@@ -175,7 +176,7 @@ def test_strided_query_and_two_threads_give_the_same_bits(op):
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        two = cpu_attention.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
+        two = cpu.paged_attention_cpu(*args(x), 0.125, tree_bits=x["tree_bits"])
     finally:
         torch.set_num_threads(n)
     torch.testing.assert_close(two, ref, atol=0, rtol=0)
@@ -184,9 +185,9 @@ def test_strided_query_and_two_threads_give_the_same_bits(op):
 def test_bad_inputs_raise_clear_errors(op):
     x = make_step("mixed", 4, 2, 8)
     with pytest.raises(ValueError, match="multiple"):
-        cpu_attention.paged_attention_cpu(x["q"][:, :3], *args(x)[1:], 0.1)
+        cpu.paged_attention_cpu(x["q"][:, :3], *args(x)[1:], 0.1)
     with pytest.raises(TypeError, match="must match"):
-        cpu_attention.paged_attention_cpu(x["q"].double(), *args(x)[1:], 0.1)
+        cpu.paged_attention_cpu(x["q"].double(), *args(x)[1:], 0.1)
     with pytest.raises(RuntimeError, match="int32"):           # the operator itself checks what it reads
         op(x["q"], x["kc"], x["vc"], x["bt"].long(), x["sl"], x["qsl"], 0.1, None)
 
@@ -202,12 +203,12 @@ def test_the_cpp_store_writes_what_the_torch_store_writes(op, dtype):
     caches = [[torch.randn(N, bs, Hkv, D, generator=torch.Generator().manual_seed(4)).to(dtype) for _ in range(2)]
               for _ in range(2)]
     backends.store_kv_torch(key, value, *caches[0], slots)
-    cpu_attention.store(key, value, *caches[1], slots)
+    cpu.store(key, value, *caches[1], slots)
     for a, b in zip(*caches):
         assert torch.equal(a, b)
     assert torch.equal(caches[1][0].view(-1, Hkv, D)[23], key[3])                  # the last slot of the last block
     with pytest.raises(RuntimeError, match="past the cache"):
-        cpu_attention.store(key[:1], value[:1], *caches[1], torch.tensor([N * bs]))
+        cpu.store(key[:1], value[:1], *caches[1], torch.tensor([N * bs]))
     torch.library.opcheck(torch.ops.minibatch.store_kv_cpu, (key, value, *caches[1], slots),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -225,7 +226,7 @@ def test_the_fake_implementation_lets_torch_compile_trace_it(op):
 @pytest.mark.parametrize("debug", [False, True], ids=["engine path", "debug checks"])
 @pytest.mark.parametrize("case", ["decode B=17", "chunked prefill", "trees", "mixed", "prefill"])
 def test_paged_attention_stores_then_attends(op, case, debug):
-    """The engine's "cpu" path splits a step (``backends._cpu_attend``): rows of up to LONG_QUERY queries through
+    """The engine's "cpu" path splits a step (``cpu._cpu_attend``): rows of up to LONG_QUERY queries through
     the operator, longer ones through SDPA, into one output. "mixed" has both kinds in one step (and a tree);
     "prefill" only long rows; "decode B=17" none."""
     x = make_step(case, 4, 2, 16, seed=11)
@@ -243,7 +244,7 @@ def test_paged_attention_stores_then_attends(op, case, debug):
     other = PagedAttention(cache, md, "batched")(0, x["q"], new_k, new_v)
     torch.testing.assert_close(out, other, atol=1e-5, rtol=1e-5)
     if not debug:
-        long_rows = [b for b, (n, _, _) in enumerate(spec) if n > backends.LONG_QUERY]
+        long_rows = [b for b, (n, _, _) in enumerate(spec) if n > cpu.LONG_QUERY]
         seq_lens, group, _, _ = md.plan["cpu"]
         assert (group is not None) == bool(long_rows)
         assert [b for b in range(len(spec)) if seq_lens[b] == 0] == long_rows     # the operator skips them
@@ -263,17 +264,17 @@ def _greedy(backend, **cfg):
 @pytest.fixture
 def calls(monkeypatch):
     """The operator's calls from the engine, as (query rows, max query length, a tree?): proof it ran."""
-    seen, attend = [], cpu_attention.attend
-    monkeypatch.setattr(cpu_attention, "attend", lambda q, kc, vc, md, s, **kw: seen.append(
+    seen, attend = [], cpu.attend
+    monkeypatch.setattr(cpu, "attend", lambda q, kc, vc, md, s, **kw: seen.append(
         (q.shape[0], md.max_query_len, md.tree_bits is not None)) or attend(q, kc, vc, md, s, **kw))
     return seen
 
 
 @pytest.mark.parametrize("cfg", [{}, dict(max_num_batched_tokens=24, block_size=8)], ids=["plain", "chunked"])
 def test_engine_greedy_equals_batched(op, calls, cfg):
-    cpu = _greedy("cpu", **cfg)
-    assert cpu == _greedy("batched", **cfg)
-    assert all(len(t) == 40 for t in cpu)
+    got = _greedy("cpu", **cfg)
+    assert got == _greedy("batched", **cfg)
+    assert all(len(t) == 40 for t in got)
     assert (5, 1, False) in calls and any(q > 1 for _, q, _ in calls)      # batch-5 decodes and prefills
 
 
@@ -287,9 +288,9 @@ def test_engine_tree_speculation_equals_batched(op, calls):
 # -- the fallback: no compiler, no OpenMP, a failed build -> one warning, then "batched" --------------------------
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """cpu_attention as before its first load(), building into an empty directory."""
-    monkeypatch.setattr(cpu_attention, "_TRIED", False)
-    monkeypatch.setattr(cpu_attention, "_OP", None)
+    """cpu_kernel as before its first load(), building into an empty directory."""
+    monkeypatch.setattr(cpu_kernel, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernel, "_OP", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     return tmp_path
 

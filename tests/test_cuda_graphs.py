@@ -63,8 +63,8 @@ def test_the_compiled_decode_step_equals_the_plain_path(name):
     start-up (fullgraph: a graph break is an error, not a silent fallback), equals the plain path token for token,
     greedy and seeded, with a batch of 3 padded to 4 (a padding row stores nowhere and reads nothing) shrinking
     as sequences finish; the GPT and the Llama (RoPE, GQA)."""
-    from minibatch.kv import cpu_attention
-    if cpu_attention.load() is None:
+    from minibatch.kv.backends import cpu_kernel
+    if cpu_kernel.load() is None:
         pytest.skip("the 'cpu' backend's operator cannot be built here")
     from minibatch.model.weights import load_model
     model = load_model(name)
@@ -213,9 +213,9 @@ def test_enforce_eager_on_the_command_lines(capsys):
 
     from minibatch.__main__ import main
     from minibatch.serve.server import add_arguments, make_llm
-    from minibatch.kv import cpu_attention
+    from minibatch.kv.backends import cpu_kernel
     texts = []
-    modes = [[], ["--enforce-eager"]] + ([["--cuda-graph-mode", "compile"]] if cpu_attention.load() else [])
+    modes = [[], ["--enforce-eager"]] + ([["--cuda-graph-mode", "compile"]] if cpu_kernel.load() else [])
     for extra in modes:
         assert main(["generate", "def f(x):", "--max-tokens", "6", "--device", "cpu", *extra]) == 0
         texts.append(capsys.readouterr().out)

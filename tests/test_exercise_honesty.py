@@ -276,7 +276,7 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.sampling.sampler as sampler
     import minibatch.engine.scheduler as scheduler
     import minibatch.kv.attention as attention
-    import minibatch.kv.backends as backends
+    import minibatch.kv.backends.loop as loop
     import minibatch.kv.block_allocator as block_allocator
     import minibatch.kv.kv_cache as kv_cache
     import minibatch.spec_decode.draft_model as draft_model
@@ -285,7 +285,7 @@ def test_patch_engine_rebinds_every_call_site_and_undoes(monkeypatch, tmp_path):
     import minibatch.kv.tree as tree
     import minibatch.kv.radix_cache as radix_cache
     import minibatch.kv.radix_allocator as radix_allocator
-    sites = [(kv_cache, "slot_mapping"), (metadata, "_slot_mapping"), (backends, "paged_attention_loop"),
+    sites = [(kv_cache, "slot_mapping"), (metadata, "_slot_mapping"), (loop, "paged_attention_loop"),
              (sampler, "apply_top_k_top_p"), (engine, "TOP_K_TOP_P"), (speculative, "rejection_sample"),
              (engine, "REJECTION_SAMPLE"), (block_allocator, "BlockAllocator"), (engine, "BlockAllocator"),
              (draft_model, "BlockAllocator"), (scheduler, "Scheduler"), (engine, "Scheduler"),
@@ -422,13 +422,13 @@ def test_attention_through_computes_trees_and_chunks_with_the_causal_loop_only(m
     from minibatch.kv import backends
     h = _tree_attention_helpers()
     md, kc, vc, q, K, V, parents = h.make_step(h.mixed(shape), 4, 2, 16, 8, seed=3)
-    calls, loop = [], backends.paged_attention_loop
+    calls, loop = [], backends.loop.paged_attention_loop
 
     def causal_only(*args, **kwargs):
         calls.append(sorted(kwargs))
         return loop(*args, **kwargs)
-    monkeypatch.setattr(backends, "paged_attention_loop", causal_only)
-    monkeypatch.setattr(backends, "_batched", None)             # no other attention may run
+    monkeypatch.setattr(backends.loop, "paged_attention_loop", causal_only)
+    monkeypatch.setattr(backends.batched, "_batched", None)             # no other attention may run
     out = exercises.attention_through(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, 0.25,
                                       tree_bits=md.tree_bits, who="paged_attention_batched")
     torch.testing.assert_close(out.double(), h.oracle(md, q, K, V, parents, 0.25), atol=1e-5, rtol=1e-5)

@@ -281,3 +281,20 @@ def test_the_radix_cache_under_swap_and_the_host_tier(target_model, free_run):
     assert c["swapped"] > 0 and c["hits"] > 0, c
     with pytest.raises(ValueError, match="write_back' needs prefix_cache='hash'"):
         LLM(target_model, prefix_cache="radix", kv_offload_space=0.002, kv_offload_write_policy="write_back")
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "int8"])
+def test_a_quantized_blocks_scales_travel_with_it_to_the_host_and_back(dtype):
+    """Swap a quantized block out and into another device block: the bytes and the per-(token, head) scales that
+    come back are the ones that left (kv_cache.py's swap_out / swap_in)."""
+    import torch
+    from minibatch.kv.kv_cache import KVCache
+    c = KVCache(2, 6, 4, 2, 8, kv_cache_dtype=dtype, scale_granularity="per_token_head")
+    torch.manual_seed(0)
+    raw = c.kv.view(torch.uint8) if c.kv.element_size() == 1 else c.kv
+    raw[:, :, 1] = torch.randint(0, 120, raw[:, :, 1].shape, dtype=raw.dtype)
+    c.scales[:, :, 1] = torch.rand(c.scales[:, :, 1].shape) + 0.5
+    c.allocate_host(3)
+    c.swap_out([(1, 2)])
+    c.swap_in([(2, 4)])
+    assert torch.equal(raw[:, :, 4], raw[:, :, 1]) and torch.equal(c.scales[:, :, 4], c.scales[:, :, 1])

@@ -23,9 +23,10 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "minibatch"
 WALK = ["llm.py", "engine/engine.py", "engine/scheduler.py", "kv/block_allocator.py", "engine/model_runner.py",
         "kv/attention.py", "sampling/sampler.py", "engine/outputs.py"]
 # What the walk carries: data and the layers under a station, entered but not stations of their own
-# (cpu_attention.py: the default backend's operator on a CPU, under backends.py).
+# (kv/backends/: the registry, and on a CPU the default backend, "cpu", and its C++ operator).
 CARRIED = {"model/tokenizer.py", "engine/sequence.py", "engine/request_queue.py", "kv/block_pool.py",
-           "model/model.py", "kv/metadata.py", "kv/kv_cache.py", "kv/backends.py", "kv/cpu_attention.py"}
+           "model/model.py", "kv/metadata.py", "kv/kv_cache.py", "kv/backends/__init__.py", "kv/backends/cpu.py",
+           "kv/backends/cpu_kernel.py"}
 
 
 @pytest.fixture(scope="module")

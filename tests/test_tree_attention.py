@@ -232,11 +232,11 @@ def test_paged_attention_stores_then_attends_with_the_tree(backend, debug):
 
 def test_a_students_loop_without_tree_bits_still_runs_ordinary_steps(monkeypatch):
     """Exercise 2's paged_attention_torch has no tree_bits parameter; the engine patches it in for "loop"."""
-    ref = backends.paged_attention_loop
+    ref = backends.loop.paged_attention_loop
 
     def student(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
         return ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
-    monkeypatch.setattr(backends, "paged_attention_loop", student)
+    monkeypatch.setattr(backends.loop, "paged_attention_loop", student)
     md, kc, vc, q, K, V, parents = make_step([(6, 3), (0, 5), (12, 1)], 4, 4, 8, 4)
     cache = KVCache(1, kc.shape[0], 4, 4, 8, dtype=torch.float32)
     cache.key_cache(0).copy_(kc)
@@ -253,7 +253,7 @@ def test_a_students_loop_without_tree_bits_stops_a_tree_step_clearly(monkeypatch
     """... and a tree step that reaches it stops before the call, saying what is missing, not a TypeError inside."""
     def student(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
         raise AssertionError("never called on a tree step")
-    monkeypatch.setattr(backends, "paged_attention_loop", student)
+    monkeypatch.setattr(backends.loop, "paged_attention_loop", student)
     md, kc, vc, q, K, V, parents = make_step([(6, SHAPES["bushy"]), (3, 1)], 4, 4, 8, 4)
     cache = KVCache(1, kc.shape[0], 4, 4, 8, dtype=torch.float32)
     n = q.shape[0]
@@ -326,7 +326,7 @@ def test_bad_tree_bits_raise_clear_errors(backend):
 @needs_kernels
 @pytest.mark.interpreter
 def test_exercise_9s_adapter_passes_tree_steps_to_the_general_kernel(monkeypatch):
-    """ex9 wraps backends._triton_attend: decode-only steps go to the student's decode kernel, the rest (trees
+    """ex9 wraps backends.triton._triton_attend: decode-only steps go to the student's decode kernel, the rest (trees
     included) to the attend it wrapped, which reads the tree bits from the metadata."""
     import exercises
     import kernels
@@ -335,8 +335,8 @@ def test_exercise_9s_adapter_passes_tree_steps_to_the_general_kernel(monkeypatch
     def student_decode(*args):
         calls.append(len(args))
         return kernels.paged_decode(*args)
-    monkeypatch.setattr(backends, "_triton_attend", exercises._decode_first_in_engine(student_decode,
-                                                                                      backends._triton_attend))
+    monkeypatch.setattr(backends.triton, "_triton_attend", exercises._decode_first_in_engine(
+        student_decode, backends.triton._triton_attend))
     for seqs in ([(5, SHAPES["bushy"]), (3, 1)], [(5, 1), (3, 1)]):
         md, kc, vc, q, K, V, parents = make_step(seqs, 4, 2, 16, 4, seed=11)
         cache = KVCache(1, kc.shape[0], 4, 2, 16, dtype=torch.float32)

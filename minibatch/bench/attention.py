@@ -21,7 +21,7 @@ Without CUDA there is nothing to time: the script says so and runs a tiny
 correctness check through the Triton interpreter instead.
 
 ``--cpu`` times the CPU backends instead (``bench_cpu``): "batched" (gathers each row's context into
-[G, L, Hkv, D], then SDPA) against "cpu" (``minibatch/kv/cpu_attention.py``, the blocks read in place), each
+[G, L, Hkv, D], then SDPA) against "cpu" (``minibatch/kv/backends/cpu.py``, the blocks read in place), each
 through the engine's own path (``backends.get``, the step's metadata built once), with ``perf_counter``
 around ``iters`` calls, several rounds alternating the backends: best round, median and worst. Then a whole
 engine decode step of the shipped target at batch 16 (``LLM``, the step's own ``duration``, the decode steps
@@ -220,7 +220,7 @@ def bench_cpu(configs, iters, rounds):
     """Attention alone: "batched" vs "cpu", each through the engine's path, per layer call, in ms."""
     from minibatch.kv import backends
     from minibatch.kv.attention import AttentionMetadata
-    if backends.cpu_attention.load() is None:
+    if backends.cpu_kernel.load() is None:
         print("the 'cpu' backend's operator cannot be built here (see the warning above): nothing to compare")
         return False
     print(f"CPU: {torch.get_num_threads()} thread(s); torch {torch.__version__}; block_size {BLOCK_SIZE}; decode; "

@@ -14,7 +14,7 @@ profiler too, before it, in 3 rounds alternating the engines (best and worst pri
 
 The rows are the ones the vLLM-peer issue's profile used, so "before" and "after" compare: the K/V gather
 (``index_select`` of each row's blocks before SDPA: the "batched" backend), the C++ operator that reads the
-blocks in place (the "cpu" backend, ``kv/cpu_attention.py``), SDPA, the K/V store, the linear layers, the
+blocks in place (the "cpu" backend, ``kv/backends/cpu_kernel.py``), SDPA, the K/V store, the linear layers, the
 element-wise work, views and copies, sampling.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ How each side runs on this CPU (read in the venv's vllm 0.32.0 source), and wher
     padded decode step per batch size with ``--cuda-graph-mode compile`` (``engine/cuda_graphs.py``); plain by
     default (the start-up cost: minibatch/kv/README.md, "On a CPU").
   - attention: vLLM's C++ kernels (``cpu_attention_with_kv_cache``, ``cpu_attn_reshape_and_cache``) read and write
-    its paged cache in place; so do minibatch's "cpu" backend's (``kv/cpu_attention.py``), the default on a CPU.
+    its paged cache in place; so do minibatch's "cpu" backend's (``kv/backends/cpu.py``), the default on a CPU.
   - GEMMs: vLLM makes a oneDNN matmul per linear layer with the weight prepacked
     (``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``); minibatch calls ``F.linear`` (a transposed
     copy of each weight was tried: minibatch/kv/README.md says why it was not kept).

@@ -20,9 +20,9 @@ already computed, new tokens) into tensors *once per step*, checking them as it
 goes; ``positions`` come from here too, so the model is fed the positions the
 attention assumes. Per layer, ``PagedAttention`` then **stores** the new tokens'
 K and V at their slots (the slot mapping) and **attends** through a backend
-(``minibatch/kv/backends.py``): "loop" (the teaching version), "batched" (the
+(``minibatch/kv/backends/``, one module each): "loop" (the teaching version), "batched" (the
 default on a GPU), "triton" (``kernels/``) or "cpu" (the default on a CPU: a C++ operator that reads the
-blocks in place, ``cpu_attention.py``, with SDPA for long prefill chunks). The per-layer call checks nothing
+blocks in place, ``backends/cpu_kernel.py``, with SDPA for long prefill chunks). The per-layer call checks nothing
 again, unless ``MINIBATCH_DEBUG_CHECKS=1`` (or ``PagedAttention(..., debug=True)``)
 asks every backend to re-check its inputs on every call.
 """
@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from minibatch.kv import backends, checks, cpu_attention
+from minibatch.kv import backends, checks
 from minibatch.kv.kv_cache import KVCache
 from minibatch.kv.metadata import AttentionMetadata
 
@@ -61,7 +61,7 @@ def default_backend(device, cuda_graph_mode: str = "auto") -> str:
     "compile" then stops, saying it needs "cpu"), except under cuda_graph_mode="eager-replay", whose static
     batch needs a graph-safe backend; "batched" on a GPU."""
     if torch.device(device).type == "cpu" and cuda_graph_mode != "eager-replay":
-        return "cpu" if cpu_attention.load() is not None else "batched"
+        return "cpu" if backends.cpu_kernel.load() is not None else "batched"
     return "batched"
 
 
@@ -88,6 +88,9 @@ class PagedAttention:
         if metadata.max_block_id >= kv_cache.num_blocks:
             raise ValueError(f"PagedAttention: a block table holds block {metadata.max_block_id}, but the cache has "
                              f"{kv_cache.num_blocks} blocks")
+        if kv_cache.kv_cache_dtype != "auto" and backend not in backends.QUANTIZED_BACKENDS:
+            raise ValueError(f"PagedAttention: kv_cache_dtype {kv_cache.kv_cache_dtype!r} is read by the attention "
+                             f"backends {list(backends.QUANTIZED_BACKENDS)} only so far, not {backend!r}")
         self._store, self._attend = backends.get(backend, checked=self.debug)
         self.kv_cache, self.metadata, self.backend = kv_cache, metadata, backend
 
@@ -96,5 +99,7 @@ class PagedAttention:
         if self.debug:
             checks.check_layer_inputs(c, md, q, k, v)
         key_cache, value_cache = c.key_cache(layer_idx), c.value_cache(layer_idx)
-        self._store(k, v, key_cache, value_cache, md.slot_mapping)        # 1) this step's K/V into their slots
-        return self._attend(q, key_cache, value_cache, md, c.head_dim ** -0.5)   # 2) attend
+        c.calibrate(layer_idx, k, v)             # calculate_kv_scales: the first batch sets the layer's scales
+        scales = c.layer_scales(layer_idx)       # {} unless the blocks are quantized (kv/quant.py)
+        self._store(k, v, key_cache, value_cache, md.slot_mapping, **scales)      # 1) this step's K/V into their slots
+        return self._attend(q, key_cache, value_cache, md, c.head_dim ** -0.5, **scales)   # 2) attend

@@ -1,11 +1,11 @@
 """The checks every attention backend shares: one clear error before anything is written.
 
-The public backend functions (``backends.store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``)
-check what they are handed (``_check_attention``: the caches, ``check_metadata``, ``check_tree_bits``), so a student
-or a test calling one directly gets a clear error. Inside the engine ``AttentionMetadata.build`` made the metadata
-and checked it once; with debug checks on (``MINIBATCH_DEBUG_CHECKS=1``) ``PagedAttention`` re-checks it and every
-layer's q, k, v (``check_layer_inputs``). ``check_accepts`` says clearly when a student's function lacks a
-parameter a step needs (``tree_bits``).
+The public backend functions (``backends.store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``,
+``paged_attention_cpu``) check what they are handed (``_check_attention``: the caches and their scales,
+``check_metadata``, ``check_tree_bits``), so a student or a test calling one directly gets a clear error. Inside
+the engine ``AttentionMetadata.build`` made the metadata and checked it once; with debug checks on
+(``MINIBATCH_DEBUG_CHECKS=1``) ``PagedAttention`` re-checks it and every layer's q, k, v (``check_layer_inputs``).
+``check_accepts`` says clearly when a student's function lacks a parameter a step needs (``tree_bits``, the scales).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from minibatch.kv import quant
 from minibatch.kv.tree import MAX_TREE_NODES
 
 
@@ -58,18 +59,44 @@ def check_metadata(block_tables, seq_lens, query_start_loc, num_blocks, block_si
         raise ValueError(f"{who}: a block table entry a sequence reads is outside 0..{num_blocks - 1}")
 
 
+def check_scales(key_cache, k_scale, v_scale, who) -> bool:
+    """A quantized cache (fp8, int8) comes with its scales, an unquantized one without: both per tensor (one
+    element each) or both per (token, head) ([num_blocks, block_size, Hkv], beside the blocks), float32,
+    positive and finite, on the cache's device. Returns whether the cache is quantized."""
+    quantized = key_cache.dtype in quant.quantized_dtypes()
+    if (k_scale is None) != (v_scale is None) or (k_scale is None) == quantized:
+        want = "k_scale and v_scale (quant.py)" if quantized else "no k_scale / v_scale (it is not quantized)"
+        raise ValueError(f"{who}: a cache of {key_cache.dtype} needs {want}")
+    if not quantized:
+        return False
+    shapes = set()
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor) or s.dtype != quant.SCALE_DTYPE or s.device != key_cache.device:
+            raise TypeError(f"{who}: {name} must be a {quant.SCALE_DTYPE} tensor on {key_cache.device}")
+        if s.numel() != 1 and tuple(s.shape) != tuple(key_cache.shape[:3]):
+            raise ValueError(f"{who}: {name} is one number (per tensor) or [num_blocks, block_size, Hkv] = "
+                             f"{list(key_cache.shape[:3])} (per token and head), got {tuple(s.shape)}")
+        quant.check_scale(s, f"{who}: {name}")
+        shapes.add(s.numel() == 1)
+    if len(shapes) != 1:
+        raise ValueError(f"{who}: k_scale and v_scale must have one granularity")
+    return True
+
+
 def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, who,
-                     tree_bits=None):
+                     tree_bits=None, k_scale=None, v_scale=None):
     _check_cache(key_cache, value_cache, who)
+    quantized = check_scales(key_cache, k_scale, v_scale, who)
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"{who}: query must be a tensor [T, H, D]")
     N, bs, Hkv, D = key_cache.shape
     if query.shape[2] != D or query.shape[1] % Hkv:
         raise ValueError(f"{who}: query [T, H={query.shape[1]}, D={query.shape[2]}] does not fit a cache of "
                          f"{Hkv} kv heads of dim {D} (H must be a multiple of Hkv)")
-    if query.dtype != key_cache.dtype or query.device != key_cache.device:
+    if (not query.is_floating_point() if quantized else query.dtype != key_cache.dtype) \
+            or query.device != key_cache.device:
         raise TypeError(f"{who}: query is {query.dtype} on {query.device}, the cache {key_cache.dtype} "
-                        f"on {key_cache.device}; they must match")
+                        f"on {key_cache.device}; they must match (a quantized cache: any float query)")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{who}: scale must be a finite number, got {scale!r}")
     check_metadata(block_tables, seq_lens, query_start_loc, N, bs, query.shape[0], query.device, who)
@@ -114,6 +141,6 @@ def check_layer_inputs(c, md, q, k, v) -> None:
     want = (T, c.num_kv_heads, c.head_dim)
     if tuple(k.shape) != want or tuple(v.shape) != want:
         raise ValueError(f"PagedAttention: k and v must be {list(want)}, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if not q.dtype == k.dtype == v.dtype == c.dtype or not q.device == k.device == v.device == c.device:
-        raise TypeError(f"PagedAttention: q/k/v are {q.dtype}/{k.dtype}/{v.dtype} on {q.device}, the cache "
-                        f"{c.dtype} on {c.device}; they must match")
+    if not q.dtype == k.dtype == v.dtype == c.model_dtype or not q.device == k.device == v.device == c.device:
+        raise TypeError(f"PagedAttention: q/k/v are {q.dtype}/{k.dtype}/{v.dtype} on {q.device}, the cache's model "
+                        f"dtype {c.model_dtype} on {c.device}; they must match")

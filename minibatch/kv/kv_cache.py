@@ -15,6 +15,17 @@ scatter, whatever mix of prefill and decode the batch is.
 
 Block ids are the allocator's business (``block_allocator.py``); this module
 only owns memory and the position -> slot arithmetic.
+
+**Quantized blocks** (``kv_cache_dtype``, ``quant.py``): the pool is stored in the quantized dtype (fp8 or
+int8, one byte a value) and its scales sit beside the blocks, so that whatever moves a block moves its scales:
+
+    per_tensor      scales[num_layers, 2]                                  layer l's k_scale, v_scale: 1.0, or
+                                                                           calibrated on the first batch
+    per_token_head  scales[num_layers, 2, num_blocks, block_size, Hkv]     one per (slot, KV head), written
+                                                                           by the store with the K/V
+
+The store quantizes and every backend dequantizes inside its loop (``backends/loop.py``, ``batched.py``);
+``dtype`` is the pool's storage dtype, ``model_dtype`` the one attention computes and returns in.
 """
 from __future__ import annotations
 
@@ -22,10 +33,14 @@ from typing import Optional
 
 import torch
 
+from minibatch.kv import quant
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device="cpu", debug_nan: bool = False):
+                 dtype: torch.dtype = torch.float32, device="cpu", debug_nan: bool = False,
+                 kv_cache_dtype: str = "auto", scale_granularity: str = "per_tensor",
+                 calculate_kv_scales: bool = False):
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -36,10 +51,23 @@ class KVCache:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kv_cache_dtype = quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.scale_granularity = quant.check_scale_granularity(scale_granularity)
+        self.model_dtype = dtype
+        storage = quant.storage_dtype(self.kv_cache_dtype, dtype)
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # debug_nan: a slot never written reads as NaN, so any read of one poisons the output and shows
-        fill = float("nan") if debug_nan else 0.0
-        self.kv = torch.full(shape, fill, dtype=dtype, device=device)
+        # (int8 has no NaN: its unwritten slots read as 0, with their scale of 1.0)
+        fill = float("nan") if debug_nan and storage.is_floating_point else 0.0
+        self.kv = torch.full(shape, fill, dtype=storage, device=device)
+        self.scales = None                               # "auto": nothing to scale
+        if self.kv_cache_dtype != "auto":
+            per = self.scale_granularity == "per_token_head"
+            self.scales = torch.ones(shape[:-1] if per else (num_layers, 2), dtype=quant.SCALE_DTYPE, device=device)
+        if calculate_kv_scales and (self.scales is None or self.scale_granularity != "per_tensor"):
+            raise ValueError("calculate_kv_scales calibrates per-tensor scales: it needs a quantized kv_cache_dtype "
+                             "and scale_granularity='per_tensor'")
+        self._to_calibrate = set(range(num_layers)) if calculate_kv_scales else set()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,6 +88,30 @@ class KVCache:
     def value_cache(self, layer: int) -> torch.Tensor:
         return self.kv[self._layer(layer), 1]
 
+    def layer_scales(self, layer: int) -> dict:
+        """{} for "auto"; else {"k_scale", "v_scale"}: 0-dim views (per tensor) or [num_blocks, block_size, Hkv]
+        views (per token and head), what the store and the backends take."""
+        if self.scales is None:
+            return {}
+        s = self.scales[self._layer(layer)]
+        return {"k_scale": s[0], "v_scale": s[1]}
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Per-tensor scales of one layer (from a checkpoint, or calibrated): positive and finite, or a ValueError."""
+        if self.scales is None or self.scale_granularity != "per_tensor":
+            raise ValueError("set_scales: only a quantized cache with per_tensor scales has per-layer scales")
+        for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+            quant.check_scale(v, f"layer {layer}'s {name}")
+        self.scales[self._layer(layer)] = torch.tensor([k_scale, v_scale], dtype=quant.SCALE_DTYPE)
+        self._to_calibrate.discard(layer)
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """calculate_kv_scales: the first batch a layer stores sets its scales, amax / max, and they never change
+        again (vLLM's rule; the pitfall: a later, larger value clips)."""
+        if layer in self._to_calibrate:
+            self.set_scales(layer, quant.calibrate_scale(key, self.kv_cache_dtype),
+                            quant.calibrate_scale(value, self.kv_cache_dtype))
+
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, keys and values."""
         pairs = [tuple(p) for p in pairs]
@@ -74,6 +126,8 @@ class KVCache:
         src_t = torch.tensor([s for s, _ in pairs], device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
         self.kv[:, :, dst_t] = self.kv[:, :, src_t]     # the right side is gathered (copied) first
+        if self._per_slot_scales():                     # a block's scales go where its values go
+            self.scales[:, :, dst_t] = self.scales[:, :, src_t]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, num_layers: Optional[int] = None) -> None:
         """Token slot src[i]'s K/V to slot dst[i], in every layer (a tree's accepted path to consecutive
@@ -82,6 +136,12 @@ class KVCache:
         L, _, N, bs, H, D = self.kv.shape
         flat = self.kv.view(L, 2, N * bs, H, D)[:num_layers]      # [L', 2, slots, Hkv, D]
         flat[:, :, dst] = flat[:, :, src]
+        if self._per_slot_scales():
+            scales = self.scales.view(L, 2, N * bs, H)[:num_layers]  # [L', 2, slots, Hkv]
+            scales[:, :, dst] = scales[:, :, src]
+
+    def _per_slot_scales(self) -> bool:
+        return self.scales is not None and self.scale_granularity == "per_token_head"
 
     # -- the host tier: swapping and offloading (host_pool.py owns the host block ids) -----------------------
     def allocate_host(self, num_host_blocks: int) -> None:
@@ -92,6 +152,9 @@ class KVCache:
         L, two, _, bs, H, D = self.kv.shape
         gpu = self.device.type == "cuda"
         self.host_kv = torch.zeros((L, two, num_host_blocks, bs, H, D), dtype=self.dtype, pin_memory=gpu)
+        # a quantized block's per-(token, head) scales travel with it: host_scales[L, 2, num_host_blocks, bs, Hkv]
+        self.host_scales = torch.ones((L, two, num_host_blocks, bs, H), dtype=self.scales.dtype) \
+            if self._per_slot_scales() else None
         self._stream = torch.cuda.Stream(self.device) if gpu else None
         self._pending = []                     # GPU: (event, host block ids, pinned staging) still in flight
 
@@ -111,10 +174,13 @@ class KVCache:
         if not pairs:
             return
         src, dst = self._check_pairs(pairs, self.num_blocks, self.host_kv.shape[2], "swap-out")
+        if self.host_scales is not None:                       # (small: one float a slot and head)
+            self.host_scales[:, :, dst] = self.scales[:, :, src].cpu()
         if self._stream is None:
             src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+            kv, host = _raw(self.kv), _raw(self.host_kv)
             for layer in range(self.num_layers):               # [2, n, bs, Hkv, D] a layer
-                self.host_kv[layer].index_copy_(1, dst_t, self.kv[layer].index_select(1, src_t))
+                host[layer].index_copy_(1, dst_t, kv[layer].index_select(1, src_t))
             return
         self._flush()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -133,10 +199,13 @@ class KVCache:
             return
         src, dst = self._check_pairs(pairs, self.host_kv.shape[2], self.num_blocks, "swap-in")
         src_t = torch.tensor(src)
+        if self.host_scales is not None:
+            self.scales[:, :, dst] = self.host_scales[:, :, src].to(self.device)
         if self._stream is None:
             dst_t = torch.tensor(dst)
+            kv, host = _raw(self.kv), _raw(self.host_kv)
             for layer in range(self.num_layers):
-                self.kv[layer].index_copy_(1, dst_t, self.host_kv[layer].index_select(1, src_t))
+                kv[layer].index_copy_(1, dst_t, host[layer].index_select(1, src_t))
             return
         self._flush()                                          # a block swapped out last step may come back now
         staging = torch.empty((self.num_layers,) + self.host_kv[0][:, src_t].shape, dtype=self.dtype,
@@ -169,20 +238,27 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """K and V of block_size tokens in every layer: 2 * L * bs * Hkv * D * element size."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+                        dtype: torch.dtype, kv_cache_dtype: str = "auto", scale_granularity: str = "per_tensor") -> int:
+        """K and V of block_size tokens in every layer: 2 * L * bs * Hkv * D * element size of the stored dtype,
+        plus per (token, head) the scales beside them (``quant.bytes_per_token``)."""
+        return block_size * quant.bytes_per_token(num_layers, num_kv_heads, head_dim, kv_cache_dtype, dtype,
+                                                  scale_granularity)
 
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype = torch.float32, device="cpu", **kw) -> "KVCache":
         """As many blocks as fit in ``budget_bytes`` (vLLM sizes its cache from free GPU memory this way)."""
-        per = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        per = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype,
+                                  kw.get("kv_cache_dtype", "auto"), kw.get("scale_granularity", "per_tensor"))
         num_blocks = int(budget_bytes) // per
         if num_blocks < 1:
             raise ValueError(f"a budget of {budget_bytes} bytes holds no block ({per} bytes each)")
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, **kw)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as uint8 where the dtype is one byte (fp8: index copies of float8 are not on every build)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def slot_mapping(block_tables, starts, counts, block_size: int, device="cpu") -> torch.Tensor:

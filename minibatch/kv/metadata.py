@@ -2,7 +2,7 @@
 
 ``AttentionMetadata.build`` is the one place a step's shape is checked (lengths agree, counts are sane, every
 position has a block, the tables' block ids are >= 0, trees are trees); the per-layer call
-(``attention.PagedAttention``) and every backend (``backends.py``) then read it without checking again.
+(``attention.PagedAttention``) and every backend (``backends/``) then read it without checking again.
 Sequence b feeds ``num_new[b]`` tokens after ``num_computed[b]`` cached ones: its query i sits at position
 ``num_computed[b] + i``, or, for a token tree's node i, at ``num_computed[b] + depth[i]`` (``tree.py``).
 """

@@ -1,4 +1,4 @@
-"""Backend "cpu": paged attention that reads the KV blocks where they lie, as a small C++ operator.
+"""Backend "cpu"'s C++ operator: paged attention that reads the KV blocks where they lie, its source and its build.
 
 Why. The "batched" backend copies every row's whole context out of the paged pool (``index_select`` into
 [G, L, Hkv, D]) before ``scaled_dot_product_attention`` reads the copy again: on the CPU that copy was 38% of a
@@ -21,10 +21,10 @@ before it), kept small here, without its ISA-specific tiles:
   block at a time; no [L] row of scores and no gathered copy is ever made;
 * **causal with the context offset**: query i of sequence b sits at position ``seq_lens[b] - q_len_b + i``
   and sees positions 0..that; with a token tree, also only the nodes its ``tree_bits`` row names
-  (``backends.paged_attention_loop`` reads the same mask the slow way). So one kernel serves decode, a
+  (``loop.paged_attention_loop`` reads the same mask the slow way). So one kernel serves decode, a
   prefill or a later chunk of one, a verification chain and a token tree.
 
-Shapes (``paged_attention_cpu`` checks them; the engine's path trusts ``AttentionMetadata.build``):
+Shapes (``cpu.paged_attention_cpu`` checks them; the engine's path trusts ``AttentionMetadata.build``):
 
     query           [T, H, D]                         fp32, bf16 (fp16, fp64), D contiguous
     key_cache       [num_blocks, block_size, Hkv, D]  one layer's keys (``KVCache.key_cache(l)``), contiguous
@@ -48,9 +48,10 @@ The build. At first use ``torch.utils.cpp_extension.load_inline`` compiles ``SOU
 library. The operator is registered with ``torch.library`` as ``minibatch::paged_attention_cpu``, with a fake
 implementation (the output's shape and dtype) so that ``torch.compile`` can trace around it. Where there is
 no compiler, no OpenMP or the build fails, ``load()`` says so in one warning and returns None, and
-``backends.get("cpu")`` hands out "batched" instead.
+``backends.get("cpu")`` hands out "batched" instead. The Python entry points, and the
+split of a step between this operator and SDPA, are ``cpu.py``'s.
 
-The same library holds the backend's store, ``minibatch::store_kv_cpu`` (``store``; vLLM's
+The same library holds the backend's store, ``minibatch::store_kv_cpu`` (``cpu.store``; vLLM's
 ``cpu_attn_reshape_and_cache``): each token's K and V row copied to its slot, -1 skipped, in one loop. Its schema
 marks the caches written (``Tensor(a!)``), so a compiled decode step (``cuda_graph_mode="compile"``) calls it in
 place rather than copying the cache.
@@ -67,10 +68,9 @@ from pathlib import Path
 
 import torch
 
-from minibatch.kv.checks import _check_attention
 
 SOURCE = r"""
-// minibatch::paged_attention_cpu: paged attention reading the KV blocks in place (see cpu_attention.py).
+// minibatch::paged_attention_cpu: paged attention reading the KV blocks in place (see cpu_kernel.py).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -338,36 +338,3 @@ def load():
             warnings.warn(f"attention backend 'cpu' is unavailable: {e}; using 'batched' instead",
                           RuntimeWarning, stacklevel=2)
     return _OP
-
-
-def paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                        tree_bits=None):
-    """query [T, H, D] -> out [T, H, D], the blocks read in place; the same answer as ``paged_attention_loop``.
-    Checks its inputs (``checks.py``) and raises RuntimeError where the operator cannot be built."""
-    _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     "paged_attention_cpu", tree_bits)
-    if query.device.type != "cpu":
-        raise ValueError(f"paged_attention_cpu runs on CPU tensors, got {query.device}")
-    op = load()
-    if op is None:
-        raise RuntimeError("paged_attention_cpu: the C++ operator could not be built here (see the warning)")
-    i32 = (x.to(torch.int32).contiguous() for x in (block_tables, seq_lens, query_start_loc))
-    return op(query, key_cache.contiguous(), value_cache.contiguous(), *i32, float(scale), tree_bits)
-
-
-def attend(query, key_cache, value_cache, md, scale, seq_lens=None):
-    """The engine's path (``backends.get("cpu")``): the metadata was checked once, by ``AttentionMetadata.build``.
-    ``seq_lens`` [B] int32 replaces ``md.seq_lens`` (a 0 skips a row: ``backends._cpu_attend`` gives long rows
-    to SDPA)."""
-    if query.device.type != "cpu":
-        raise ValueError(f"the 'cpu' attention backend runs on CPU tensors, got {query.device}; "
-                         f"on a GPU choose 'triton' or 'batched'")
-    return _OP(query, key_cache, value_cache, md.block_tables, md.seq_lens if seq_lens is None else seq_lens,
-               md.query_start_loc, scale, md.tree_bits)
-
-
-def store(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The engine's store for "cpu" (vLLM's ``cpu_attn_reshape_and_cache``): key, value [T, Hkv, D] -> their slots,
-    in place, slot -1 skipped; one C++ loop of row copies. The slots were checked by ``AttentionMetadata.build``
-    (``backends.store_kv_torch`` is the checked, public version)."""
-    torch.ops.minibatch.store_kv_cpu(key, value, key_cache, value_cache, slot_mapping)
