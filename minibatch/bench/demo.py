@@ -132,44 +132,6 @@ def scenario_tree(model, small: bool) -> dict:
     return {"tree": (rec, None)}
 
 
-def scenario_hierarchy(model, small: bool) -> dict:
-    """A multi-turn chat (each turn's prompt the conversation so far, sent once the previous turn is back) on a
-    device pool too small for it: running requests are swapped out to host memory and back in
-    (``preemption_mode="swap"``), and a turn whose earlier prefix left the device pool loads it back from the
-    prefix cache's host tier (``kv_offload_space``, write-through) instead of prefilling it again."""
-    from minibatch.bench.workload import multi_turn_chat
-    turns = multi_turn_chat(3 if small else 4, 2 if small else 3, seed=1, user_len=(8, 16), reply_len=(16, 24),
-                            max_tokens=24)
-    engine = LLMEngine(model, EngineConfig(block_size=8, num_gpu_blocks=24 if small else 36, max_num_seqs=3,
-                                           max_num_batched_tokens=64, preemption_mode="swap",
-                                           kv_offload_space=0.004))
-    rec = TraceRecorder(meta={"scenario": "hierarchy"})
-    engine.add_hook(rec)
-    pending, done = list(turns), set()
-    while pending or engine.has_unfinished_requests():
-        for r in [r for r in pending if r.after is None or r.after in done]:    # a user answers at once
-            pending.remove(r)
-            engine.add_request(r.request_id, r.prompt, r.sampling_params())
-        done.update(o.request_id for o in engine.step() if o.finished)
-    engine.allocator.check_invariants(live_seq_ids=[])
-    engine.host_pool.check_invariants()
-    engine.host_pool.check_idle()
-    return {"hierarchy": (rec, None)}
-
-
-def hierarchy_lines(traces: list) -> list:
-    """What the memory hierarchy did: swaps each way, recomputations instead, host-tier hits, blocks copied."""
-    if not any(getattr(t, "num_host_blocks", 0) for t in traces):
-        return []
-    out, back = sum(len(t.swapped_out) for t in traces), sum(len(t.swapped_in) for t in traces)
-    instead, last = sum(len(t.recomputed_instead) for t in traces), traces[-1]
-    return [f"  memory hierarchy ({last.num_host_blocks} host blocks): {out} sequences swapped out, {back} swapped "
-            f"back in" + (f", {instead} recomputed instead (swap space full)" if instead else ""),
-            f"    host tier: {last.offload_hits} of {last.offload_queries} blocks that missed the device pool "
-            f"loaded back; {sum(t.blocks_to_host for t in traces)} blocks copied to host, "
-            f"{sum(t.blocks_to_device for t in traces)} to the device"]
-
-
 def tree_lines(traces: list, meta=None) -> list:
     """Token trees: how long the kept path was, what the drafter's first-ranked branch alone (a chain of its top
     guesses) would have kept, and the tokens per target forward."""
@@ -238,6 +200,7 @@ def summary_lines(name: str, traces: list, meta=None) -> list:
     if any(max(t.ref_counts or [0]) > 1 for t in traces):
         lines.append(f"  blocks shared (ref count > 1) at some step: "
                      f"{sum(any(r > 1 for r in t.ref_counts) for t in traces)} steps")
+    from minibatch.bench.demo_hierarchy import hierarchy_lines
     return lines + hierarchy_lines(traces) + speculation_lines(traces, meta)
 
 
@@ -323,6 +286,7 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             if scenario == "static":
                 runs = {"static": runs["static"]}
         else:
+            from minibatch.bench.demo_hierarchy import scenario_hierarchy
             runs = {"paged": scenario_paged, "speculative": scenario_speculative, "tree": scenario_tree,
                     "hierarchy": scenario_hierarchy}[scenario](model, small)
         name = scenario

@@ -92,7 +92,8 @@ def format_rows(wall: dict, sim: dict) -> str:
         lines.append(f"  {name:<17} {_rate(best['prefix_cache_hit_rate']):>11} {_rate(best['host_hit_rate']):>9} "
                      f"{best['prompt_tokens'] - best['cached_prompt_tokens']:>9} | {1e3 * best['ttft_p50']:7.1f} ms "
                      f"({min(ttft):5.1f}-{max(ttft):5.1f}) {1e3 * best['ttft_p90']:5.0f}ms | {max(tps):6.0f} "
-                     f"({min(tps):4.0f}-{max(tps):4.0f}) {max(tps) / bbest:7.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                     f"({min(tps):4.0f}-{max(tps):4.0f}) {max(tps) / bbest:7.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f})")
     lines.append(f"simulated H100      {'device hits':>11} {'host hits':>9} {'prefilled':>9} | {'TTFT p50':>10} "
                  f"{'p90':>9} | {'output tok/s':>12} {'x':>6} | {'copies':>9}")
     for name in ROWS:

@@ -82,7 +82,8 @@ def host_features(traces) -> set:
 
 def host_legend_handles(features=None) -> list:
     handles = {
-        "swapped": Patch(facecolor="white", edgecolor=EDGE_COLOR, hatch="xx", label="swapped out (its sequence's colour)"),
+        "swapped": Patch(facecolor="white", edgecolor=EDGE_COLOR, hatch="xx",
+                         label="swapped out (its sequence's colour)"),
         "offloaded": Patch(facecolor=HOST_TIER_COLOR, edgecolor=EDGE_COLOR, hatch="\\\\",
                            label="host tier (prefix copy)"),
         "host-free": Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free host block"),
