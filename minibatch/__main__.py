@@ -115,8 +115,10 @@ def main(argv=None) -> int:
                    help="the waiting queue's order (lpm, dfs-weight: SGLang's cache-aware orders)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
-    d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, structured, disaggregated")
-    d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), structured "
+    d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, "
+                                           "hierarchy, structured, disaggregated")
+    d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), hierarchy "
+                                    "(swapping and the host tier), structured "
                                     "(structured outputs' masks), disaggregated, or a saved trace (.json) to replay")
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")

@@ -1,4 +1,4 @@
-"""python -m minibatch.bench batching | speculative | attention | kv | peers | online  (see minibatch/bench/run.py)."""
+"""python -m minibatch.bench batching | speculative | attention | kv | peers | online | preemption | offload ...  (see minibatch/bench/run.py)."""
 import sys
 
 from minibatch.bench.run import main

@@ -7,6 +7,9 @@
     python -m minibatch demo speculative           draft proposals accepted and rejected
     python -m minibatch demo tree                  token trees (EAGLE-2): many guesses verified in one
                                                    forward, the longest accepted path kept
+    python -m minibatch demo hierarchy             the KV cache as a memory hierarchy: a multi-turn chat on a
+                                                   small pool, requests swapped out and back in, prefixes
+                                                   loaded back from the host tier
     python -m minibatch demo structured            structured outputs: each row's 256-byte mask beside
                                                    the batch (out/demo/structured.png)
     python -m minibatch demo run.json              replay a saved trace (no model needed)
@@ -37,7 +40,7 @@ from minibatch.bench.workload import PROMPTS
 from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
-SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "structured", "disaggregated")
+SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "hierarchy", "structured", "disaggregated")
 OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
 SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
 TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5, "topk": 4}
@@ -197,7 +200,8 @@ def summary_lines(name: str, traces: list, meta=None) -> list:
     if any(max(t.ref_counts or [0]) > 1 for t in traces):
         lines.append(f"  blocks shared (ref count > 1) at some step: "
                      f"{sum(any(r > 1 for r in t.ref_counts) for t in traces)} steps")
-    return lines + speculation_lines(traces, meta)
+    from minibatch.bench.demo_hierarchy import hierarchy_lines
+    return lines + hierarchy_lines(traces) + speculation_lines(traces, meta)
 
 
 def _write(rec: TraceRecorder, path: pathlib.Path, small: bool) -> list:
@@ -282,8 +286,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
             if scenario == "static":
                 runs = {"static": runs["static"]}
         else:
-            runs = {"paged": scenario_paged, "speculative": scenario_speculative,
-                    "tree": scenario_tree}[scenario](model, small)
+            from minibatch.bench.demo_hierarchy import scenario_hierarchy
+            runs = {"paged": scenario_paged, "speculative": scenario_speculative, "tree": scenario_tree,
+                    "hierarchy": scenario_hierarchy}[scenario](model, small)
         name = scenario
     for label, (rec, seconds) in runs.items():
         if text_only:

@@ -177,3 +177,44 @@ def describe(workload: list[WorkloadRequest]) -> str:
     prios = sorted({r.priority for r in workload})
     return (f"{n} requests, {when}; prompt tokens: {_stats(prompt)}; output tokens (max_tokens): {_stats(out)}; "
             f"{sum(prompt) + sum(out)} tokens in all" + (f"; priorities {prios}." if len(prios) > 1 else "."))
+
+
+# -- a multi-turn chat (the host tier's workload: bench offload, demo hierarchy) --------------------------------------
+@dataclass
+class ChatTurn(WorkloadRequest):
+    conversation: int = 0
+    turn: int = 0
+    after: str | None = None          # the request id of this conversation's previous turn (None: the first)
+
+
+def multi_turn_chat(num_conversations: int = 8, num_turns: int = 4, seed: int = 0, user_len=(24, 48),
+                    reply_len=(48, 80), max_tokens: int = 16, max_len: int = 512) -> list[ChatTurn]:
+    """A multi-turn chat: ``num_conversations`` conversations of ``num_turns`` turns, each turn's prompt the
+    conversation so far (every earlier user turn and its reply) plus a new user turn, so turn k + 1's prompt
+    starts with all of turn k's (what a prefix cache can reuse). Replies are recorded text (held-out code, as
+    ShareGPT replays use recorded replies), not the model's output, so the list is fixed before any run.
+
+    Arrivals interleave across conversations: the list is turn-major (every conversation's turn 1, then every
+    turn 2, ...), and a turn is sent once its conversation's previous turn (``after``) has finished: a closed loop
+    of users with no think time, so between two turns of one conversation the others' turns pass through the
+    device pool. ``arrival_time`` is 0 for all; the driver releases a turn after its ``after``.
+    Request ids are ``c{conversation}t{turn}``. Every prompt + max_tokens <= max_len (a ValueError otherwise)."""
+    for name, v in (("num_conversations", num_conversations), ("num_turns", num_turns), ("max_tokens", max_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    r_user, r_reply = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    docs = _documents(256)
+    history, out = [""] * num_conversations, []
+    for t in range(num_turns):
+        for c in range(num_conversations):
+            user = _snippet(docs, *user_len, int(r_user.integers(user_len[0], user_len[1] + 1)), r_user)
+            prompt = history[c] + "# user:\n" + user + "# assistant:\n"
+            if len(prompt.encode("utf-8")) + max_tokens > max_len:
+                raise ValueError(f"multi_turn_chat: conversation {c}'s turn {t} is {len(prompt.encode())} bytes, "
+                                 f"over max_len = {max_len} with max_tokens = {max_tokens}; use fewer turns or "
+                                 f"shorter user_len / reply_len")
+            out.append(ChatTurn(f"c{c}t{t}", prompt, max_tokens, 0.0, conversation=c, turn=t,
+                                after=f"c{c}t{t - 1}" if t else None))
+            reply = _snippet(docs, *reply_len, int(r_reply.integers(reply_len[0], reply_len[1] + 1)), r_reply)
+            history[c] = prompt + reply
+    return out

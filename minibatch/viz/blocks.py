@@ -17,6 +17,9 @@ make that visible:
   this step (least recently freed first: it was taken for new tokens).
 * ``draw_block_tables``: one row per live sequence, logical index on x, the
   physical id written in each cell: the indirection the kernel follows.
+* with a memory hierarchy (a trace with ``num_host_blocks > 0``), the host pool
+  beside the device pool (``host_pool.py``): swapped-out blocks in their
+  sequence's colour, host-tier blocks grey.
 
 Layout rules, so any number of blocks and rows reads on a notebook and on a
 slide: a stand-alone figure uses constrained layout (titles, row labels and
@@ -35,6 +38,7 @@ from matplotlib.patches import Patch, Rectangle
 from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, UNKNOWN_OWNER_COLOR, as_traces,
                                   axes_size_pt, evicted_blocks, figsize_for, find_step, new_axes, short_label,
                                   style, styled, text_color_on, text_width_pt)
+from minibatch.viz.host_pool import draw_host_pool, has_host_pool
 from minibatch.viz.palette import seq_color, seq_order
 
 EVICTED_COLOR = "#D55E00"      # Okabe-Ito vermillion, as "preempted": something was lost this step
@@ -111,30 +115,36 @@ def thin_ticks(n: int, room_pt: float, widest: str, size: float) -> int:
     return max(1, math.ceil(need / per)) if per > 0 else n
 
 
-def blocks_figure(figsize=(13, 5)):
-    """A figure holding the pool and, beside it, the block tables (constrained layout)."""
+def blocks_figure(figsize=(13, 5), host: bool = False):
+    """A figure holding the pool and, beside it, the block tables (constrained layout); host=True puts the
+    host pool between them and returns three Axes (device pool, host pool, tables)."""
     import matplotlib.pyplot as plt
-    fig = plt.figure(figsize=figsize_for(figsize), layout="constrained")
-    return fig.subplots(1, 2, width_ratios=[1, 1.2])
+    fig = plt.figure(figsize=figsize_for((figsize[0] * 1.35, figsize[1]) if host else figsize), layout="constrained")
+    return fig.subplots(1, 3, width_ratios=[1, 1, 1.2]) if host else fig.subplots(1, 2, width_ratios=[1, 1.2])
 
 
 @styled
-def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=None, legend=True) -> dict:
+def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=None, legend=True,
+                host_ax=None) -> dict:
     """Draw the block pool after ``step``; with ``ax=None`` a new figure holds the
-    pool and, beside it, the block tables (``tables_ax`` does that for a given Axes).
+    pool and, beside it, the block tables (``tables_ax`` does that for a given Axes),
+    and, for a run with a host pool, the host pool between them (``host_ax``).
     ``ncols`` overrides the grid width; ``order`` (seq_order) fixes the colours;
     ``legend=False`` leaves the legend to the caller (the dashboard has one for all views).
 
     Returns {"ax", "cells": [{"block", "state", "owners", "ref_count", "cached", "patches"}],
              "labels": {block: ref-count text}, "counts": {state: n}, "tables": ... or None,
-             "legend": [handles]}.
+             "host": host_pool.draw_host_pool's result or None, "legend": [handles]}.
     """
     traces = as_traces(traces)
     t = find_step(traces, step)
     order = order or seq_order(traces)
     st = style()
     if ax is None:
-        ax, tables_ax = blocks_figure()
+        if has_host_pool(traces):
+            ax, host_ax, tables_ax = blocks_figure(host=True)
+        else:
+            ax, tables_ax = blocks_figure()
     ncols = ncols or _pool_columns(t.num_blocks)
     nrows = math.ceil(t.num_blocks / ncols)
     w_pt, h_pt = axes_size_pt(ax)
@@ -193,11 +203,15 @@ def draw_blocks(traces, step: int, ax=None, tables_ax=None, ncols=None, order=No
     ax.set_title(pool_title(counts) + f"\nblock id = row + column, {t.block_size} tokens each",
                  fontsize=st.font, loc="left")
     handles = pool_legend_handles(pool_features(traces))
+    host = draw_host_pool(traces, step, host_ax, order=order) if host_ax is not None else None
+    if host is not None:
+        handles = handles + host["legend"]
     if legend and handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncols=1 if len(handles) < 3 else 2,
                   fontsize=st.small, frameon=False, borderaxespad=0.2)
     tables = draw_block_tables(traces, step, ax=tables_ax, order=order) if tables_ax is not None else None
-    return {"ax": ax, "cells": cells, "labels": labels, "counts": counts, "tables": tables, "legend": handles}
+    return {"ax": ax, "cells": cells, "labels": labels, "counts": counts, "tables": tables, "host": host,
+            "legend": handles}
 
 
 @styled

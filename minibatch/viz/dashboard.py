@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from minibatch.trace import TraceRecorder
 from minibatch.viz.blocks import draw_block_tables, draw_blocks, pool_title
+from minibatch.viz.host_pool import has_host_pool
 from minibatch.viz.common import (as_traces, dashboard_size, figsize_for, find_step, has_trees, style, styled,
                                   wrap_title)
 from minibatch.viz.palette import seq_order
@@ -108,10 +109,15 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree
                                  xlim=(first, last), legend=False)
     kv["ax"].tick_params(labelbottom=False)
     throughput["ax"].set_xlabel("")
-    blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order, legend=False)
+    if has_host_pool(traces):            # the host pool beside the device pool (viz/host_pool.py)
+        pools = grid[0:2, 1].subgridspec(1, 2)
+        blocks = draw_blocks(traces, step, ax=fig.add_subplot(pools[0, 0]), order=order, legend=False,
+                             host_ax=fig.add_subplot(pools[0, 1]))
+    else:
+        blocks = draw_blocks(traces, step, ax=fig.add_subplot(grid[0:2, 1]), order=order, legend=False)
     pool = [pool_title(blocks["counts"]), f"(block = row + column, {t.block_size} tokens each)"]
-    if trees:                            # a narrower column: break the lines where they would run into the tree's
-        width = fig.get_figwidth() * 72 * ratios[1] / sum(ratios) * 0.92
+    if trees or blocks["host"] is not None:   # a narrower column: break the lines before the next panel's
+        width = fig.get_figwidth() * 72 * ratios[1] / sum(ratios) * 0.92 / (2 if blocks["host"] else 1)
         pool = [wrap_title(line, width, st.font, sep=", ", weight="normal") for line in pool]
     blocks["ax"].set_title("\n".join(pool), fontsize=st.font, loc="left")
     if trees:

@@ -7,6 +7,9 @@
       admitted: D.0 · preempted: - · finished: -
       waiting: E · running, not scheduled: D.1
 
+With a host pool (swapping, the prefix cache's host tier), two more lines say who was swapped out and in,
+what the host pool holds, how many blocks the host tier gave back, and the blocks copied each way.
+
 "kv a->b" is the sequence's cached tokens before and after the step (rejected
 draft tokens rolled back); "out" counts its generated tokens so far; under
 speculation, "drafts 'kept'|'rejected'" shows what the proposer guessed. A
@@ -109,9 +112,26 @@ def text_view(trace: StepTrace) -> str:
     if t.prefix_cache_queries:
         tail += f" · prefix cache: {t.prefix_cache_hits}/{t.prefix_cache_queries} blocks hit"
     lines.append(tail)
+    if getattr(t, "num_host_blocks", 0):
+        lines.append(host_line(t))
     if t.note:
         lines.append(f"  note: {t.note}")
     return "\n".join(lines)
+
+
+def host_line(t: StepTrace) -> str:
+    """The memory hierarchy's step: who was swapped out and in, the host pool, the host tier's hits, the copies."""
+    swapped = len({b for tb in t.host_block_tables.values() for b in tb})
+    line = (f"  swapped out: {_names(t.swapped_out)} · swapped in: {_names(t.swapped_in)}"
+            + (f" · recomputed instead (swap space full): {_names(t.recomputed_instead)}" if t.recomputed_instead
+               else "")
+            + f"\n  host pool: {swapped} swapped, {len(t.offloaded_blocks)} host tier, {t.num_free_host_blocks} free "
+            f"of {t.num_host_blocks}")
+    if t.offload_queries:
+        line += f" · host tier: {t.offload_hits}/{t.offload_queries} blocks loaded back"
+    if t.blocks_to_host or t.blocks_to_device:
+        line += f" · copied: {t.blocks_to_host} blocks to host, {t.blocks_to_device} to device"
+    return line
 
 
 def print_trace(traces, file=None) -> None:
