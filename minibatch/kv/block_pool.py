@@ -61,6 +61,23 @@ def _as_tokens(token_ids, what: str) -> list:
     return [int(t) for t in token_ids]
 
 
+def _as_growth(num_new_tokens) -> int:
+    """``append_slots``' count, checked: an int >= 0."""
+    n = _as_count(num_new_tokens, "num_new_tokens")
+    if n < 0:
+        raise ValueError(f"num_new_tokens must be >= 0, got {n}")
+    return n
+
+
+def _as_computed(seq_id, s, num_computed_tokens, token_ids) -> int:
+    """``mark_computed``'s count, checked against the slots ``s`` holds and the tokens given."""
+    n = _as_count(num_computed_tokens, "num_computed_tokens")
+    if not 0 <= n <= min(s.num_slots, len(token_ids)):
+        raise ValueError(f"sequence {seq_id!r}: num_computed_tokens must be in 0..{s.num_slots} (the slots it holds) "
+                         f"and at most len(token_ids) = {len(token_ids)}, got {n}")
+    return n
+
+
 def _as_count(n, what: str) -> int:
     if not isinstance(n, numbers.Integral) or isinstance(n, bool):
         raise TypeError(f"{what} must be an int, got {type(n).__name__}")

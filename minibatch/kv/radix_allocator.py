@@ -24,7 +24,7 @@ block goes first when the pool is full (``tests/test_radix_allocator.py`` shows 
 """
 from __future__ import annotations
 
-from minibatch.kv.block_pool import BlockAllocatorBase, NoFreeBlocksError, _as_count, _as_tokens, _Seq
+from minibatch.kv.block_pool import BlockAllocatorBase, NoFreeBlocksError, _as_count, _as_computed, _as_growth, _as_tokens, _Seq
 from minibatch.kv.radix_cache import RadixCache
 
 PREFIX_CACHES = ("hash", "radix")     # EngineConfig.prefix_cache: BlockAllocator's hash chain, or this tree
@@ -118,10 +118,7 @@ class RadixBlockAllocator(BlockAllocatorBase):
         """Grow by ``num_new_tokens`` slots; returns the copy-on-write (src, dst) block pairs to copy first. The
         partly filled last block is copied when it is shared: with another table, or with the tree (a truncate
         into a cached page left it there)."""
-        s = self._get(seq_id)
-        new = _as_count(num_new_tokens, "num_new_tokens")
-        if new < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {new}")
+        s, new = self._get(seq_id), _as_growth(num_new_tokens)
         if not new:
             return []
         last = s.blocks[-1] if s.num_slots % self.block_size else None
@@ -150,10 +147,7 @@ class RadixBlockAllocator(BlockAllocatorBase):
 
     def mark_computed(self, seq_id, num_computed_tokens: int, token_ids) -> None:
         s = self._get(seq_id)
-        n = _as_count(num_computed_tokens, "num_computed_tokens")
-        if not 0 <= n <= min(s.num_slots, len(token_ids)):
-            raise ValueError(f"sequence {seq_id!r}: num_computed_tokens must be in 0..{s.num_slots} (the slots "
-                             f"it holds) and at most len(token_ids) = {len(token_ids)}, got {n}")
+        n = _as_computed(seq_id, s, num_computed_tokens, token_ids)
         pages, bs = n // self.block_size, self.block_size
         if pages <= len(s.chain):
             return
@@ -168,11 +162,11 @@ class RadixBlockAllocator(BlockAllocatorBase):
         s.chain = list(blocks)
 
     def fork(self, parent_id, child_id) -> None:
-        p = self._get(parent_id)
+        parent = self._get(parent_id)
         self._check_new_id(child_id)
-        for b in p.blocks:
-            self._ref[b] += 1
-        self._seqs[child_id] = _Seq(list(p.blocks), p.num_slots, list(p.chain))
+        for block in parent.blocks:                         # every block shared: its ref count goes up
+            self._ref[block] += 1
+        self._seqs[child_id] = _Seq(list(parent.blocks), parent.num_slots, list(parent.chain))
         self._locks[child_id] = self._locks[parent_id]
         self.tree.inc_lock_ref(self._locks[child_id])
 
