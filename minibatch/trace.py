@@ -88,7 +88,8 @@ class StepTrace:
     # Where the step's time went, [start, end] in seconds since the engine was created: the CPU's scheduling, the
     # model's forward (with sampling, in the synchronous engine; the forward alone on the model's thread under
     # asynchronous scheduling, where it overlaps the next step's schedule and the previous one's update), and the
-    # CPU's update (engine.py). The timeline draws them as two lanes, CPU and model.
+    # CPU's update (engine.py; under asynchronous scheduling from the forward's result on: sampling, placeholders
+    # resolved, the next forward launched, update_from_output). viz/lanes.py draws them as two lanes, CPU and model.
     schedule_span: list = field(default_factory=list)
     forward_span: list = field(default_factory=list)
     update_span: list = field(default_factory=list)
