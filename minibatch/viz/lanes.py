@@ -17,8 +17,6 @@ busy, and the share of the run (first span's start to last span's end) a lane wa
 """
 from __future__ import annotations
 
-from matplotlib.patches import Patch, Rectangle
-
 from minibatch.viz.common import TraceError, as_traces, new_axes, style, styled
 
 LANES = ("cpu", "model")
@@ -78,6 +76,7 @@ def draw_lanes(traces, ax=None, upto=None, legend=True, title=None, origin=None)
     (seconds since the engine's creation; default: the first span's start), the spans of steps through
     ``upto`` only (an animation does not show the future). Returns {"ax", "rects": {"cpu": [(Rectangle,
     (start, end, step, kind))], "model": [...]}, "spans": lane_spans, "overlap_s", "model_busy"}."""
+    from matplotlib.patches import Patch, Rectangle     # here: the numbers above need no matplotlib (--text)
     traces = as_traces(traces)
     st = style()
     ax = new_axes(ax, (13, 2.6))
