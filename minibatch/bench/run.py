@@ -13,6 +13,7 @@
     python -m minibatch.bench profile      where a full-batch decode step's time goes, per attention backend
     python -m minibatch.bench calibrate    this machine's hardware profile for the simulated clock, measured
     python -m minibatch.bench validate     the simulated clock's predicted step times against measured ones
+    python -m minibatch.bench host-cpu     the CPU's time per step outside the forward (the clock's host profile)
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -189,7 +190,8 @@ OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_ef
           "peers": "minibatch.bench.peers", "vllm": "minibatch.bench.vllm_peer", "online": "minibatch.bench.online",
           "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
           "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile",
-          "calibrate": "minibatch.bench.calibrate", "validate": "minibatch.bench.validate"}
+          "calibrate": "minibatch.bench.calibrate", "validate": "minibatch.bench.validate",
+          "host-cpu": "minibatch.bench.host_cpu"}
 
 
 PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)
