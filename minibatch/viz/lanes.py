@@ -91,7 +91,10 @@ def draw_lanes(traces, ax=None, upto=None, legend=True, title=None, origin=None)
             if upto is not None and step > upto:
                 continue
             r = ax.add_artist(Rectangle(((start - origin) * 1e3, y - 0.35), (end - start) * 1e3, 0.7,
-                                        facecolor=KIND_COLORS[kind], edgecolor="white", linewidth=0.4))
+                                        facecolor=KIND_COLORS[kind], linewidth=0.4,
+                                        # white edges part consecutive forwards; the CPU's thin spans keep
+                                        # their colour (its two kinds alternate)
+                                        edgecolor="white" if lane == "model" else "none"))
             rects[lane].append((r, span))
     ax.set_xlim((first - origin) * 1e3, max((last - origin) * 1e3, (first - origin) * 1e3 + 1e-3))
     ax.set_ylim(len(LANES) - 0.4, -0.6)
