@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from minibatch import LLM, SamplingParams, viz  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 from minibatch.trace import TraceRecorder  # noqa: E402
-from minibatch.viz.lanes import KIND_COLORS  # noqa: E402
+from minibatch.viz.lanes import KIND_COLORS, KIND_LABELS  # noqa: E402
 
 PROMPTS = ["def fib(n):\n    ", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n        self."]
 
@@ -78,3 +78,20 @@ def test_traces_without_spans_are_refused(runs):
         viz.draw_lanes(bare)
     with pytest.raises(ValueError, match="lane must be one of"):
         viz.busy_share(runs["sync"], "gpu")
+
+
+@pytest.mark.parametrize("preset", [None, "slide"])
+def test_the_dashboard_draws_the_lanes_of_an_async_run_only(runs, preset):
+    from test_viz_layout import SLIDE_MIN_PX, text_problems
+    asyn, sync = runs["async"], runs["sync"]
+    step = asyn[len(asyn) // 2].step
+    res = viz.draw_step(asyn, step, preset=preset)
+    drawn = {s[2] for lane in res["lanes"]["rects"].values() for _, s in lane}
+    assert drawn == {t.step for t in asyn if t.step <= step}               # through this step, none after
+    labels = {h.get_label() for h in res["legend"]}
+    assert set(KIND_LABELS.values()) <= labels
+    problems = text_problems(res["fig"], SLIDE_MIN_PX if preset == "slide" else None)
+    assert not problems, problems
+    assert viz.draw_step(sync, sync[1].step, preset=preset)["lanes"] is None  # sync: the dashboard as it was
+    alone = viz.draw_lanes(asyn, preset=preset)
+    assert not text_problems(alone["ax"].figure, SLIDE_MIN_PX if preset == "slide" else None)

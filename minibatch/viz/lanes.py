@@ -42,6 +42,13 @@ def lane_spans(traces) -> dict:
     return lanes
 
 
+def has_lanes(traces) -> bool:
+    """Whether the dashboard draws the lanes: an asynchronously scheduled run whose every step carries its spans."""
+    traces = as_traces(traces)
+    return any(getattr(t, "async_scheduling", False) for t in traces) and \
+        all(t.schedule_span and t.forward_span and t.update_span for t in traces)
+
+
 def _union(spans) -> list:
     """Disjoint [start, end] intervals covering the spans."""
     out = []
