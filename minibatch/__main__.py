@@ -116,10 +116,11 @@ def main(argv=None) -> int:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads over this many processes (vLLM's flag; minibatch/distributed/)")
     d = sub.add_parser("demo", help="lecture demos: continuous, static, paged, speculative, tree, "
-                                           "hierarchy, structured, disaggregated")
+                                           "hierarchy, structured, disaggregated, async")
     d.add_argument("scenario", help="continuous, static, paged, speculative, tree (token trees), hierarchy "
-                                    "(swapping and the host tier), structured "
-                                    "(structured outputs' masks), disaggregated, or a saved trace (.json) to replay")
+                                    "(swapping and the host tier), structured (structured outputs' masks), "
+                                    "disaggregated, async (sync vs async scheduling's lanes), or a saved trace "
+                                    "(.json) to replay")
     d.add_argument("--out", default=None, help="animation file (.gif, .html, .mp4); default out/demo/<scenario>.gif")
     d.add_argument("--text", action="store_true", help="print the per-step text view only (no graphics)")
     d.add_argument("--small", action="store_true", help="a smaller run (for CI)")

@@ -85,10 +85,13 @@ class StepTrace:
     cpu_duration: Optional[float] = None       # CPU seconds this process spent in the step (time.process_time):
                                                # ``duration`` without the waits of a shared machine (bench/validate.py)
     instance: Optional[str] = None             # disaggregated serving: "prefill" or "decode" (disagg/instance.py)
+    async_scheduling: bool = False             # scheduled by the batch queue (EngineConfig.async_scheduling): the
+                                               # simulated clock overlaps the host's time with the device's
     # Where the step's time went, [start, end] in seconds since the engine was created: the CPU's scheduling, the
     # model's forward (with sampling, in the synchronous engine; the forward alone on the model's thread under
     # asynchronous scheduling, where it overlaps the next step's schedule and the previous one's update), and the
-    # CPU's update (engine.py). The timeline draws them as two lanes, CPU and model.
+    # CPU's update (engine.py; under asynchronous scheduling from the forward's result on: sampling, placeholders
+    # resolved, the next forward launched, update_from_output). viz/lanes.py draws them as two lanes, CPU and model.
     schedule_span: list = field(default_factory=list)
     forward_span: list = field(default_factory=list)
     update_span: list = field(default_factory=list)
@@ -175,7 +178,8 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
         speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-        propose_duration=propose_duration, drafted=_drafted(sched.running), **_hierarchy(engine, out))
+        propose_duration=propose_duration, drafted=_drafted(sched.running),
+        async_scheduling=bool(getattr(engine.config, "async_scheduling", False)), **_hierarchy(engine, out))
 
 
 def _hierarchy(engine, out) -> dict:

@@ -6,6 +6,8 @@ loop, cpu and triton backends; then each invariant of the placeholders on its ow
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from minibatch import LLM, SamplingParams
@@ -74,6 +76,28 @@ def test_the_forward_overlaps_the_next_schedule(target_model):
     _, rec = _run(target_model, CASES["greedy"])
     t = rec.traces
     assert all(t[i + 1].schedule_span[0] >= t[i].forward_span[1] for i in range(len(t) - 1))   # sync: in turn
+
+
+def test_the_update_span_holds_the_sampling(target_model, monkeypatch):
+    """Under async the sampler runs on the CPU after the forward (ModelRunner.finish): it is in the step's update
+    span, so the CPU lane shows it (it once fell between the spans, drawn as idle)."""
+    from minibatch.engine.model_runner import ModelRunner
+    calls, finish = [], ModelRunner.finish
+
+    def timed(self, *a):
+        start = time.perf_counter()
+        result = finish(self, *a)
+        calls.append((start, time.perf_counter()))
+        return result
+    monkeypatch.setattr(ModelRunner, "finish", timed)
+    llm = LLM(target_model, async_scheduling=True, block_size=8)
+    rec = TraceRecorder()
+    llm.llm_engine.add_hook(rec)
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=6, temperature=0.0))
+    t0 = llm.llm_engine.t0
+    for t in rec.traces:
+        lo, hi = t.update_span
+        assert any(lo <= s - t0 and e - t0 <= hi for s, e in calls), (t.step, t.update_span)
 
 
 def test_placeholders_are_counted_resolved_and_never_cached(target_model):

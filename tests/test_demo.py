@@ -156,3 +156,19 @@ def test_text_view_needs_no_matplotlib(tmp_path, scenario):
     if scenario == "tree":                # the outline: the root, the accepted path marked, the target's token
         assert "\u25cf 0 " in res.stdout and "root, position" in res.stdout and "(the target's token)" in res.stdout
         assert "\u251c\u2500\u25cb" in res.stdout or "\u2514\u2500\u25cb" in res.stdout
+
+
+def test_async_runs_sync_then_async_and_draws_both_lanes(tmp_path, capsys):
+    code, out, _ = _run(capsys, "async", "--small", "--out", str(tmp_path / "a.gif"))
+    assert code == 0
+    from minibatch.viz.lanes import busy_share
+    for mode in ("sync", "async"):
+        rec = TraceRecorder.load(tmp_path / f"a-{mode}.json")
+        assert rec.meta == {"scenario": "async", "async_scheduling": mode == "async"}
+        tokens = sum(len(s.new_token_ids) for t in rec.traces for s in t.scheduled)
+        # the printed figures are the trace's
+        assert f"{mode:>5}: {len(rec.traces)} steps, {tokens} tokens in " in out
+        assert f"model lane busy {busy_share(rec.traces):.0%} of the run" in out
+    assert "async / sync wall time:" in out
+    with Image.open(tmp_path / "a.png") as im:                    # one still, both runs' lanes
+        assert im.size == (768, 432)

@@ -2,7 +2,7 @@
 
 * cell 1, right after the title, is the objectives cell: ``**Learning objectives.** After this notebook you can:``,
   at least two bullets, then a paragraph ``**Prerequisites.** ...``;
-* two to four ``**Predict NN.k.**`` prompts, each opening its own markdown cell just before the code cell whose
+* two to five ``**Predict NN.k.**`` prompts, each opening its own markdown cell just before the code cell whose
   output answers it, numbered 1, 2, ... with the notebook's number; an ``**Explain NN.k.**`` prompt (its own cell)
   follows the Predict of the same label; no prompt in any other form (``**Predict:**`` inside a paragraph);
 * one ``**Change this and see.**`` cell, followed by a code cell marked ``# change this`` (or ``these``);
@@ -83,8 +83,8 @@ def lesson_problems(nb: dict, number: int) -> tuple[list[str], dict[str, int]]:
                     problems.append(f"cell {i}: {name} must come just before the code cell whose output answers it")
             elif f"Predict {nn:02d}.{k}" not in labels:
                 problems.append(f"cell {i}: {name} has no Predict {nn:02d}.{k} before it")
-    if not 2 <= predicts <= 4:
-        problems.append(f"{predicts} Predict prompts: a lesson has 2 to 4")
+    if not 2 <= predicts <= 5:
+        problems.append(f"{predicts} Predict prompts: a lesson has 2 to 5")
     changes = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and _text(c).startswith(CHANGE)]
     if len(changes) != 1:
         problems.append(f"{len(changes)} cells start {CHANGE!r}: a lesson has one")

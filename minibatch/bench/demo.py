@@ -12,6 +12,8 @@
                                                    loaded back from the host tier
     python -m minibatch demo structured            structured outputs: each row's 256-byte mask beside
                                                    the batch (out/demo/structured.png)
+    python -m minibatch demo async                 sync, then async scheduling: the CPU and model lanes
+                                                   (out/demo/async.png; demo_async.py)
     python -m minibatch demo run.json              replay a saved trace (no model needed)
 
 Each scenario runs the shipped model through the real engine, records every step
@@ -40,7 +42,8 @@ from minibatch.bench.workload import PROMPTS
 from minibatch.sampling.sampler import SamplingParams
 from minibatch.trace import TraceRecorder
 
-SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "hierarchy", "structured", "disaggregated")
+SCENARIOS = ("continuous", "static", "paged", "speculative", "tree", "hierarchy", "structured", "disaggregated",
+             "async")
 OUT_DIR = pathlib.Path("out") / "demo"         # git-ignored (/out/ in .gitignore)
 SPECULATIVE = {"method": "draft", "num_speculative_tokens": 3}
 TREE = {"method": "eagle", "tree": "dynamic", "num_draft_tokens": 16, "depth": 5, "topk": 4}
@@ -278,6 +281,9 @@ def run_demo(scenario: str, out=None, text_only: bool = False, small: bool = Fal
         if scenario == "disaggregated":                 # two instances: a renderer of its own
             from minibatch.bench.demo_disagg import record
             return _disaggregated(record(model, small), path, text_only, small)
+        if scenario == "async":                        # two runs' lanes on the wall clock: a still of its own
+            from minibatch.bench.demo_async import run
+            return run(model, path, text_only, small)
         if scenario == "structured":                   # a still of its own: the masks beside the batch
             from minibatch.bench.structured_demo import run_structured_demo
             return run_structured_demo(model, path, text_only, small)

@@ -287,6 +287,7 @@ class LLMEngine:
         if done is not None:
             out, prep, future, t_sched, t_launch = done
             result, t_forward = future.result()       # step N's forward (its error, if any, is raised here)
+            t2 = time.perf_counter()                  # the update span starts here: sampling is the CPU's work
             runner_output = runner.finish(out, prep, result)
             sched.resolve(out, runner_output)
         if nxt.scheduled:
@@ -299,7 +300,6 @@ class LLMEngine:
             return []
         if done is None:
             return []
-        t2 = time.perf_counter()
         changed, finished = sched.update_from_output(out, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
             logprobs.record(out, runner_output)
@@ -324,9 +324,9 @@ class LLMEngine:
         self._in_flight = None
         cpu0 = time.process_time()
         result, t_forward = future.result()
+        t2 = time.perf_counter()
         runner_output = self.model_runner.finish(out, prep, result)
         self.scheduler.resolve(out, runner_output)
-        t2 = time.perf_counter()
         changed, finished = self.scheduler.update_from_output(out, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
             logprobs.record(out, runner_output)

@@ -25,6 +25,10 @@ replay instead (vLLM V1 captures those). A measured
 profile (``calibrate.py``) also adds a host cost per step, per row (scheduling, Python) and per token
 (on a CPU, the elementwise work that a roofline of matrix products misses).
 
+With ``host`` (``simulate="h100+cpu:..."``, ``perf/host.py``) the step also pays the host CPU's time,
+cpu = factor (per_step + per_seq B) for B scheduled rows: cpu + device under synchronous scheduling, max(cpu,
+device) under asynchronous scheduling (``StepTrace.async_scheduling``; the first step pays both).
+
 The proposer's work this step (``StepTrace.drafted``: per sequence drafted for, [drafts, depth, context])
 is costed from what ran: a draft model's ``depth`` passes (the draft profile), an EAGLE layer's passes
 (one layer of the target + its fc and head), early exit's shallow passes (the first E/L of the target's
@@ -43,10 +47,12 @@ import re
 from dataclasses import dataclass
 
 from minibatch.perf.hardware import HardwareProfile, get_hardware
+from minibatch.perf.host import HOST_CPU, HostCpuProfile
 from minibatch.perf.models import CHECKPOINTS, DEFAULT_DRAFT, ModelProfile, get_model
 
 KERNELS_PER_LAYER = 10     # 2 norms, qkv, rotary/cache write, attention, o_proj, 2 residual adds, mlp in, mlp out
 KERNELS_HEAD = 3           # final norm, lm_head, sampling
+HOST_SUFFIX = "+cpu"       # 'h100+cpu:target': the device and the host CPU beside it (perf/host.py)
 
 
 @dataclass
@@ -65,7 +71,8 @@ def parse_simulate(spec: str):
     m = re.fullmatch(r"(?:(\d+)x)?([^:\s]+):([^:\s]+)(?::([^:\s]+))?", spec.strip())
     if not m:
         raise ValueError(f"malformed simulate string {spec!r}; expected '[Nx]HARDWARE:MODEL[:DRAFT]', e.g. "
-                         f"'h100:llama-3-8b', '2xh100:llama-3-70b' or 'h100:llama-3-8b:llama-3.2-1b'")
+                         f"'h100:llama-3-8b', '2xh100:llama-3-70b' or 'h100:llama-3-8b:llama-3.2-1b' ('h100+cpu:...' adds the "
+                         f"host CPU's time per step)")
     tp = int(m.group(1) or 1)
     if tp < 1:
         raise ValueError(f"simulate {spec!r}: the tensor-parallel degree must be >= 1")
@@ -76,20 +83,25 @@ class CostModel:
     """step_time(trace) -> seconds on ``hardware`` for ``model``; breakdown(trace) -> the operators."""
 
     def __init__(self, hardware: HardwareProfile, model: ModelProfile, draft: ModelProfile | None = None,
-                 tp: int = 1):
+                 tp: int = 1, host: HostCpuProfile | None = None):
         if tp > 1 and hardware.interconnect_bandwidth <= 0:
             raise ValueError(f"{hardware.name} has no interconnect for tensor parallelism (tp={tp}); use tp=1")
-        self.hw, self.model, self.draft, self.tp = hardware, model, draft, tp
+        self.hw, self.model, self.draft, self.tp, self.host = hardware, model, draft, tp, host
 
     @classmethod
     def from_spec(cls, spec: str) -> "CostModel":
+        """'h100:llama-3-8b'; 'h100+cpu:target' adds the host CPU's time per step (perf/host.py)."""
         hw, tp, model, draft = parse_simulate(spec)
+        host = None
+        if hw.endswith(HOST_SUFFIX):
+            hw, host = hw[: -len(HOST_SUFFIX)], HOST_CPU
         m = get_model(model)
-        return cls(get_hardware(hw), m, get_model(draft or DEFAULT_DRAFT.get(model, "draft")), tp)
+        return cls(get_hardware(hw), m, get_model(draft or DEFAULT_DRAFT.get(model, "draft")), tp, host)
 
     def __repr__(self):
         tp = f"{self.tp}x" if self.tp > 1 else ""
-        return f"CostModel({tp}{self.hw.name}:{self.model.name}, draft {self.draft.name if self.draft else None})"
+        host = HOST_SUFFIX if self.host else ""
+        return f"CostModel({tp}{self.hw.name}{host}:{self.model.name}, draft {self.draft.name if self.draft else None})"
 
     # -- memory ---------------------------------------------------------------------------------------------
     def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
@@ -222,13 +234,26 @@ class CostModel:
         launches = passes * hw.graph_overhead if hw.cuda_graphs else hw.launch_overhead * sum(o.kernels for o in ops)
         return sum(max(self.op_time(o)) for o in ops) + launches + hw.token_overhead * self._draft_tokens(trace)
 
-    def step_time(self, trace) -> float:
-        """Seconds the step would take: the operators' roofline times plus the overheads, plus the memory
-        hierarchy's copies, which run before the forward (engine/memory_hierarchy.py)."""
+    def device_time(self, trace) -> float:
+        """Seconds on the device: the operators' roofline times plus the overheads, plus the memory hierarchy's
+        copies, which run before the forward (engine/memory_hierarchy.py)."""
         if not trace.scheduled:
             return self.transfer_time(trace)
         target = sum(max(self.op_time(o)) for o in self.forward_ops(self.model, self.target_rows(trace)))
         return target + self.target_overhead(trace) + self.propose_time(trace) + self.transfer_time(trace)
+
+    def cpu_time(self, trace) -> float:
+        """Seconds of the host CPU's work in the step (perf/host.py; 0 without ``host``)."""
+        return self.host.step_time(len(trace.scheduled)) if self.host else 0.0
+
+    def step_time(self, trace) -> float:
+        """Seconds the step would take: the device's time and the host CPU's, in series (synchronous
+        scheduling), or overlapped, max(cpu, device), when the trace says the step was scheduled
+        asynchronously (``StepTrace.async_scheduling``), except the first step, whose schedule nothing hid."""
+        device, cpu = self.device_time(trace), self.cpu_time(trace)
+        if getattr(trace, "async_scheduling", False) and trace.step > 0:
+            return max(cpu, device)
+        return cpu + device
 
     def transfer_time(self, trace, per_block: bool = False) -> float:
         """The step's host <-> device copies (swap out/in, offload, load-back) over PCIe: each direction's bytes at

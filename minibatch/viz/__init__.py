@@ -5,6 +5,7 @@ run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
 
     draw_step(rec, step)          the dashboard of one step (what a slide shows)
     draw_timeline(rec)            batch membership: steps x sequences, cells by phase
+    draw_lanes(rec)               the CPU lane and the model lane on the wall clock (async overlaps them)
     draw_blocks(rec, step)        the physical block pool + every sequence's block table
     draw_kv_usage(rec)            used / cached-free / free blocks over steps
     draw_throughput(rec)          tokens per step against the token budget
@@ -30,6 +31,7 @@ and notebooks can check it. The rooms, one idea each:
     anim       animate, save                        widget     step_through, live
     text       text_view, print_trace                tree       draw_tree, draw_tree_mask
     tree_data  step_tree, tree_trace: a tree step as plain data
+    lanes      draw_lanes, lane_spans: the CPU's and the model's spans on the wall clock
 """
 # name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text,
 # tree_data; tree until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
@@ -44,6 +46,7 @@ _WHERE = {
     **dict.fromkeys(['draw_tree', 'draw_tree_mask'], 'tree'),
     **dict.fromkeys(['step_tree', 'token_label', 'tree_steps', 'tree_trace'], 'tree_data'),
     **dict.fromkeys(['draw_timeline', 'run_title', 'speculation', 'timeline_cells'], 'timeline'),
+    **dict.fromkeys(['busy_share', 'draw_lanes', 'lane_spans', 'overlap'], 'lanes'),
     **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
     **dict.fromkeys(['live', 'step_through'], 'widget'),
 }
@@ -63,5 +66,5 @@ __all__ = [
     "kv_usage", "tokens_per_step", "summarize", "frame_steps", "busiest_step", "step_title", "as_traces",
     "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "SEQ_PALETTE_LARGE", "TraceError", "WriterUnavailableError",
     "PRESETS", "using", "alive_sets", "run_title", "draw_tree", "draw_tree_mask", "step_tree", "token_label",
-    "tree_steps", "tree_trace", "tree_outline",
+    "tree_steps", "tree_trace", "tree_outline", "draw_lanes", "lane_spans", "overlap", "busy_share",
 ]

@@ -10,7 +10,8 @@
     +-------------------------------------+------------------------+
               one legend: only what occurs in this run
 
-A run that verified token trees gets a third column, the **token tree** of
+An asynchronously scheduled run gets a fifth row under the left column: its CPU and model lanes on the wall
+clock through the step (``draw_lanes``), where the overlap shows. A run that verified token trees gets a third column, the **token tree** of
 one sequence (``draw_tree``: the accepted path coloured, the target's token
 after it), in every frame, so an animation does not jump: a step without a
 tree (the prefill) says so in it.
@@ -33,6 +34,7 @@ from minibatch.viz.host_pool import has_host_pool
 from minibatch.viz.common import (as_traces, dashboard_size, figsize_for, find_step, has_trees, style, styled,
                                   wrap_title)
 from minibatch.viz.palette import seq_order
+from minibatch.viz.lanes import draw_lanes, has_lanes
 from minibatch.viz.timeline import draw_timeline, run_title
 from minibatch.viz.usage import draw_kv_usage, draw_throughput, legend_columns, merge_handles
 
@@ -77,8 +79,9 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree
     figure when None). ``meta`` (or a TraceRecorder's own) names a speculative
     run's proposer in the title. A run with token trees adds the tree panel (of
     ``tree_seq``, None: the first sequence in the batch with a tree). Returns
-    {"fig", "step", "timeline", "blocks", "tables", "kv", "throughput", "tree",
-    "legend"}: each view's own inspectable result ("tree" None without one)."""
+    {"fig", "step", "timeline", "blocks", "tables", "kv", "throughput", "tree", "lanes",
+    "legend"}: each view's own inspectable result ("tree" None without one, "lanes" None unless the run was
+    scheduled asynchronously)."""
     meta = meta if meta is not None else getattr(traces, "meta", None) if isinstance(traces, TraceRecorder) else None
     traces = as_traces(traces)
     t = find_step(traces, step)
@@ -90,12 +93,14 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree
     fig.set_layout_engine("constrained")
     order = seq_order(traces)
     trees = has_trees(traces)
+    lanes_row = has_lanes(traces)
+    heights = [1, 1, 0.8, 0.8] + ([0.8] if lanes_row else [])
     ratios = [1.3, 0.8, 1.0] if trees else [1.45, 1]
     if trees:       # the tree in a gridspec of its own: its title and labels leave the other panels' rows alone
         outer = fig.add_gridspec(1, 2, width_ratios=[ratios[0] + ratios[1], ratios[2]])
-        grid = outer[0].subgridspec(4, 2, width_ratios=ratios[:2], height_ratios=[1, 1, 0.8, 0.8])
+        grid = outer[0].subgridspec(len(heights), 2, width_ratios=ratios[:2], height_ratios=heights)
     else:
-        grid = fig.add_gridspec(4, 2, width_ratios=ratios, height_ratios=[1, 1, 0.8, 0.8])
+        grid = fig.add_gridspec(len(heights), 2, width_ratios=ratios, height_ratios=heights)
     timeline = draw_timeline(traces, ax=fig.add_subplot(grid[0:2, 0]), upto=step, highlight=step,
                              legend=False, order=order, window=window)
     first, last = timeline["xlim"]
@@ -122,7 +127,11 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree
     blocks["ax"].set_title("\n".join(pool), fontsize=st.font, loc="left")
     if trees:
         blocks["ax"].set_anchor("N")     # equal aspect in a narrower column: keep its title where the layout put it
-    tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:4, 1]), order=order)
+    tables = draw_block_tables(traces, step, ax=fig.add_subplot(grid[2:len(heights), 1]), order=order)
+    lanes = None
+    if lanes_row:                        # an asynchronous run: the CPU and model lanes through this step
+        lanes = draw_lanes(traces, ax=fig.add_subplot(grid[4, 0]), upto=step, legend=False,
+                           title="CPU and model lanes through this step (wall clock)")
     tree = _tree_panel(traces, t, fig.add_subplot(outer[0, 1]), order, tree_seq) if trees else None
     fig.suptitle(wrap_title(step_title(t, run_title(traces, meta)), fig.get_figwidth() * 72 * 0.97, st.headline),
                  fontsize=st.headline, x=0.01, ha="left", fontweight="bold")
@@ -132,8 +141,8 @@ def draw_step(traces, step: int, fig=None, window: int = WINDOW, meta=None, tree
     if trees:
         from minibatch.viz.tree import legend_handles as tree_handles
         extra = extra + tree_handles()
-    handles = merge_handles(timeline["legend"], kv["legend"], extra, blocks["legend"])
+    handles = merge_handles(timeline["legend"], kv["legend"], extra, blocks["legend"], lanes["legend"] if lanes else [])
     fig.legend(handles=handles, loc="outside lower center", ncols=legend_columns(fig, handles, st.small),
                fontsize=st.small, frameon=False)
     return {"fig": fig, "step": step, "timeline": timeline, "blocks": blocks, "tables": tables,
-            "kv": kv, "throughput": throughput, "tree": tree, "legend": handles}
+            "kv": kv, "throughput": throughput, "tree": tree, "lanes": lanes, "legend": handles}
