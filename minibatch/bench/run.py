@@ -15,6 +15,7 @@
     python -m minibatch.bench validate     the simulated clock's predicted step times against measured ones
     python -m minibatch.bench preemption   swap against recompute per block size, both clocks (PagedAttention Fig. 19)
     python -m minibatch.bench offload      the prefix cache's host tier on a multi-turn chat, both clocks
+    python -m minibatch.bench prefix       fcfs / lpm / dfs-weight x hash / radix on few-shot prompts, both clocks
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -192,7 +193,8 @@ OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_ef
           "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
           "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile",
           "calibrate": "minibatch.bench.calibrate", "validate": "minibatch.bench.validate",
-          "preemption": "minibatch.bench.preemption", "offload": "minibatch.bench.offload"}
+          "preemption": "minibatch.bench.preemption", "offload": "minibatch.bench.offload",
+          "prefix": "minibatch.bench.prefix"}
 
 
 PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)
