@@ -186,10 +186,9 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
 
 def _radix_nodes(allocator) -> list:
     """The radix tree as plain rows (StepTrace.radix_nodes); [] for an allocator without one."""
-    tree = getattr(allocator, "tree", None)
-    if tree is None:
+    if getattr(allocator, "prefix_cache", "hash") != "radix":
         return []
-    root = tree.root_node
+    tree, root = allocator.tree, allocator.tree.root_node
     rows = [[root.id, -1, 0, [], [], root.lock_ref, False]]
     for n in tree.nodes():                     # parents first
         rows.append([n.id, n.parent.id, len(n.key), list(n.key[:RADIX_TEXT_TOKENS]), list(n.value), n.lock_ref,

@@ -50,4 +50,4 @@ def test_bench_prefix_small_prints_every_row_and_the_targets(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("full ", "half "))]
     assert len(rows) == 2 * 3 * 2, out                                  # pools x policies x caches
-    assert out.count("target:") == 3 and "greedy outputs of every row equal: True" in out
+    assert out.count("target:") == 4 and "greedy outputs of every row equal: True" in out
