@@ -23,6 +23,7 @@ from typing import Optional
 from minibatch.kv.tree import depths
 
 PHASES = ("prefill", "decode", "resumed")
+RADIX_TEXT_TOKENS = 8               # a radix node's first tokens kept in the trace (the view's label)
 
 
 @dataclass
@@ -109,6 +110,10 @@ class StepTrace:
     blocks_to_device: int = 0       # blocks copied host -> device this step (swapped in + loaded back)
     bytes_to_host: int = 0          # ... and their bytes, each way (every layer's K and V)
     bytes_to_device: int = 0
+    # The radix tree (prefix_cache="radix", kv/radix_cache.py) after the step, parents first, the root first; empty
+    # with the hash chain: [node id, parent id (-1: the root), tokens on its edge, its first RADIX_TEXT_TOKENS
+    # token ids, [its blocks, one a page], lock_ref, evictable leaf (no children and lock_ref 0: evict's next)]
+    radix_nodes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,8 +183,20 @@ def make_trace(engine, out, runner_output, t_start: float, propose_duration: flo
         max_num_seqs=sched.max_num_seqs, num_padding_slots=out.num_padding_slots,
         prefix_cache_hits=a.hits, prefix_cache_queries=a.queries,
         speculative_method=spec.get("method"), num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-        propose_duration=propose_duration, drafted=_drafted(sched.running),
+        propose_duration=propose_duration, drafted=_drafted(sched.running), radix_nodes=_radix_nodes(a),
         async_scheduling=bool(getattr(engine.config, "async_scheduling", False)), **_hierarchy(engine, out))
+
+
+def _radix_nodes(allocator) -> list:
+    """The radix tree as plain rows (StepTrace.radix_nodes); [] for an allocator without one."""
+    if getattr(allocator, "prefix_cache", "hash") != "radix":
+        return []
+    tree, root = allocator.tree, allocator.tree.root_node
+    rows = [[root.id, -1, 0, [], [], root.lock_ref, False]]
+    for n in tree.nodes():                     # parents first
+        rows.append([n.id, n.parent.id, len(n.key), list(n.key[:RADIX_TEXT_TOKENS]), list(n.value), n.lock_ref,
+                     not n.children and n.lock_ref == 0])
+    return rows
 
 
 def _hierarchy(engine, out) -> dict:

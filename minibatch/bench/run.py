@@ -17,6 +17,7 @@
     python -m minibatch.bench offload      the prefix cache's host tier on a multi-turn chat, both clocks
     python -m minibatch.bench host-cpu     the CPU's time per step outside the forward (the clock's host profile)
     python -m minibatch.bench async        sync vs async scheduling on batching's workload; the time not overlapped
+    python -m minibatch.bench prefix       fcfs / lpm / dfs-weight x hash / radix on few-shot prompts, both clocks
 
 Timings are wall-clock on whatever device runs the model; both sides of every
 ratio run in this process, one after the other, after a warm-up. ``--simulate h100:llama-3-8b`` (batching,
@@ -195,7 +196,8 @@ OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_ef
           "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile",
           "calibrate": "minibatch.bench.calibrate", "validate": "minibatch.bench.validate",
           "preemption": "minibatch.bench.preemption", "offload": "minibatch.bench.offload",
-          "host-cpu": "minibatch.bench.host_cpu", "async": "minibatch.bench.asynchronous"}
+          "host-cpu": "minibatch.bench.host_cpu", "async": "minibatch.bench.asynchronous",
+          "prefix": "minibatch.bench.prefix"}
 
 
 PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)

@@ -218,3 +218,63 @@ def multi_turn_chat(num_conversations: int = 8, num_turns: int = 4, seed: int = 
             reply = _snippet(docs, *reply_len, int(r_reply.integers(reply_len[0], reply_len[1] + 1)), r_reply)
             history[c] = prompt + reply
     return out
+
+
+# -- prefix-heavy workloads (bench prefix: RadixAttention's few-shot and tree-of-thought, Zheng et al. 2024, §6) -----
+def few_shot(num_templates: int = 8, num_questions: int = 6, seed: int = 0, template_len=(224, 256),
+             question_len=(16, 40), max_tokens: int = 8, max_len: int = 512) -> list[WorkloadRequest]:
+    """Few-shot prompting: ``num_templates`` templates (a long run of held-out code, the shared "examples") x
+    ``num_questions`` questions each (a short snippet after the template), every prompt = template + question.
+    Arrivals interleave the templates: the list is question-major (question 0 of every template, then question 1,
+    ...), all at t = 0, so FCFS runs them round-robin across templates while a cache-aware order can group them.
+    Request ids are ``t{template}q{question}``. Every prompt + max_tokens <= max_len (a ValueError otherwise)."""
+    _check_counts(num_templates=num_templates, num_questions=num_questions, max_tokens=max_tokens)
+    if template_len[1] + question_len[1] + max_tokens > max_len:
+        raise ValueError(f"few_shot: template_len {template_len} + question_len {question_len} + max_tokens "
+                         f"{max_tokens} exceeds max_len = {max_len}")
+    r_tpl, r_q = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    docs = _documents(max(2 * template_len[1], 256))
+    templates = [_snippet(docs, *template_len, int(r_tpl.integers(template_len[0], template_len[1] + 1)), r_tpl)
+                 for _ in range(num_templates)]
+    return [WorkloadRequest(f"t{k}q{m}", templates[k] + "# question:\n" + _snippet(
+                docs, *question_len, int(r_q.integers(question_len[0], question_len[1] + 1)), r_q), max_tokens, 0.0)
+            for m in range(num_questions) for k in range(num_templates)]
+
+
+def tree_of_thought(num_trees: int = 4, branches: int = 3, seed: int = 0, root_len=(160, 192),
+                    thought_len=(32, 64), max_tokens: int = 8, max_len: int = 512) -> list[WorkloadRequest]:
+    """Tree-of-thought: ``num_trees`` problems, each a root prompt; then ``branches`` thoughts on it (root +
+    thought i), then ``branches`` thoughts on each of those (root + thought i + thought j): 1 + b + b^2 requests a
+    tree. Thoughts are recorded text (held-out code), so the list is fixed before any run. Arrivals interleave the
+    trees level by level (every root, then every first-level branch, ...), all at t = 0. Request ids are
+    ``x{tree}``, ``x{tree}.{i}``, ``x{tree}.{i}.{j}``."""
+    _check_counts(num_trees=num_trees, branches=branches, max_tokens=max_tokens)
+    if root_len[1] + 2 * (thought_len[1] + 12) + max_tokens > max_len:
+        raise ValueError(f"tree_of_thought: root_len {root_len} + two thoughts of {thought_len} + max_tokens "
+                         f"{max_tokens} exceeds max_len = {max_len}")
+    r_root, r_th = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    docs = _documents(256)
+
+    def text(lo_hi, rng):
+        return _snippet(docs, *lo_hi, int(rng.integers(lo_hi[0], lo_hi[1] + 1)), rng)
+
+    levels = [[(f"x{t}", text(root_len, r_root)) for t in range(num_trees)]]
+    for _ in range(2):                      # each level: every node of the one above grows `branches` thoughts
+        levels.append([(f"{rid}.{i}", prompt + f"# thought {i}:\n" + text(thought_len, r_th))
+                       for rid, prompt in levels[-1] for i in range(branches)])
+    by_tree = [[[(rid, p) for rid, p in lvl if rid.split(".")[0] == f"x{t}"] for t in range(num_trees)]
+               for lvl in levels]
+    out = []
+    for lvl in by_tree:                     # level-major, trees interleaved within a level
+        for i in range(max(len(nodes) for nodes in lvl)):
+            out += [WorkloadRequest(nodes[i][0], nodes[i][1], max_tokens, 0.0) for nodes in lvl if i < len(nodes)]
+    return out
+
+
+def _check_counts(**counts) -> None:
+    for name, v in counts.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+PREFIX_WORKLOADS = {"few-shot": few_shot, "tree-of-thought": tree_of_thought, "multi-turn": multi_turn_chat}

@@ -12,6 +12,8 @@ run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
     draw_comparison(a, b)         two runs of one workload side by side (static vs continuous)
     draw_tree(rec, step)          one sequence's token tree in a verify step, the accepted path coloured
     draw_tree_mask(rec, step)     that tree's attention mask as a heat map (rows query, columns key)
+    draw_radix_tree(rec, step)    the radix prefix cache (prefix_cache="radix"): nodes, blocks, locks, evictable
+    draw_radix_blocks(rec, step)  ... beside the block pool and the block tables
     animate(rec) / save(rec, "run.gif" | ".html" | ".mp4" | ".png")
     step_through(rec)             Jupyter: Play / slider / Prev / Next
     live(engine)                  Jupyter: one engine.step() per click
@@ -32,6 +34,7 @@ and notebooks can check it. The rooms, one idea each:
     text       text_view, print_trace                tree       draw_tree, draw_tree_mask
     tree_data  step_tree, tree_trace: a tree step as plain data
     lanes      draw_lanes, lane_spans: the CPU's and the model's spans on the wall clock
+    radix_tree draw_radix_tree, draw_radix_blocks: the radix cache
 """
 # name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text,
 # tree_data; tree until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
@@ -49,6 +52,7 @@ _WHERE = {
     **dict.fromkeys(['busy_share', 'draw_lanes', 'lane_spans', 'overlap'], 'lanes'),
     **dict.fromkeys(['draw_comparison', 'draw_kv_usage', 'draw_throughput', 'kv_usage', 'summarize', 'tokens_per_step'], 'usage'),
     **dict.fromkeys(['live', 'step_through'], 'widget'),
+    **dict.fromkeys(['draw_radix_blocks', 'draw_radix_tree', 'has_radix_tree', 'radix_boxes'], 'radix_tree'),
 }
 
 
@@ -67,4 +71,6 @@ __all__ = [
     "PHASE_COLORS", "PHASE_LABELS", "SEQ_PALETTE", "SEQ_PALETTE_LARGE", "TraceError", "WriterUnavailableError",
     "PRESETS", "using", "alive_sets", "run_title", "draw_tree", "draw_tree_mask", "step_tree", "token_label",
     "tree_steps", "tree_trace", "tree_outline", "draw_lanes", "lane_spans", "overlap", "busy_share",
+    "tree_steps", "tree_trace", "tree_outline", "draw_radix_tree", "draw_radix_blocks", "has_radix_tree",
+    "radix_boxes",
 ]
