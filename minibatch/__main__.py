@@ -17,6 +17,7 @@ def _generate(args) -> int:
     from minibatch.sampling.sampler import SamplingParams
 
     from minibatch.engine import memory_hierarchy
+    from minibatch.kv import quant
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [], n=args.n)
@@ -30,7 +31,8 @@ def _generate(args) -> int:
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                   cuda_graph_mode=args.cuda_graph_mode, num_gpu_blocks=args.num_gpu_blocks_override,
                   async_scheduling=args.async_scheduling, prefix_cache=args.prefix_cache,
-                  scheduling_policy=args.scheduling_policy, **memory_hierarchy.config_kwargs(args))
+                  scheduling_policy=args.scheduling_policy, **memory_hierarchy.config_kwargs(args),
+                  **quant.config_kwargs(args))
         t = time.perf_counter()
         outs = llm.generate(list(args.prompt), params)
     except NotImplementedError as e:          # a student release whose engine exercises are not written yet
@@ -104,7 +106,9 @@ def main(argv=None) -> int:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks (vLLM's flag; small, it makes the scheduler preempt)")
     from minibatch.engine import memory_hierarchy
+    from minibatch.kv import quant
     memory_hierarchy.add_arguments(g)
+    quant.add_arguments(g)
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N's forward runs (vLLM's flag; engine/async_scheduler.py)")
     from minibatch.engine.request_queue import POLICIES

@@ -10,7 +10,9 @@ from minibatch.engine.cuda_graphs import MODES
 from minibatch.engine.memory_hierarchy import PREEMPTION_MODES, WRITE_POLICIES
 from minibatch.engine.request_queue import POLICIES, check_cache_aware
 from minibatch.engine.scheduler import ORDERS
+from minibatch.kv import quant
 from minibatch.kv.attention import check_backend
+from minibatch.kv.backends import QUANTIZED_BACKENDS
 from minibatch.kv.radix_allocator import PREFIX_CACHES
 from minibatch.spec_decode.config import check_speculative_config
 from minibatch.engine.threads import check_num_threads
@@ -64,6 +66,11 @@ class EngineConfig:
     kv_offload_write_policy: str = "write_through"   # or "write_back" (SGLang HiCache's names)
     # Schedule step N+1 while step N's forward runs (engine/async_scheduler.py; vLLM's --async-scheduling)
     async_scheduling: bool = False
+    # Quantized KV blocks (kv/quant.py), vLLM's names: "auto" (the model's dtype), "fp8_e4m3" (or "fp8"),
+    # "fp8_e5m2", "int8"; scales per tensor (1.0, or calculate_kv_scales: from the first batch) or per (token, head)
+    kv_cache_dtype: str = "auto"
+    scale_granularity: str = "per_tensor"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         _int("block_size", self.block_size, 1)
@@ -107,6 +114,32 @@ class EngineConfig:
         check_num_threads(self.num_threads)
         self._check_hierarchy()
         self._check_async()
+        self._check_kv_quant()
+
+    def _check_kv_quant(self) -> None:
+        """The quantized cache's settings, once: the name made canonical ("fp8" -> "fp8_e4m3"), the storage dtype
+        present in this torch, and what cannot read or carry quantized blocks yet refused, saying why."""
+        self.kv_cache_dtype = quant.check_kv_cache_dtype(self.kv_cache_dtype)
+        quant.check_scale_granularity(self.scale_granularity)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
+        if self.kv_cache_dtype == "auto":
+            if self.calculate_kv_scales:
+                raise ValueError("calculate_kv_scales needs a quantized kv_cache_dtype; 'auto' has no scale")
+            return
+        quant.storage_dtype(self.kv_cache_dtype)             # fp8 on a torch without it: named here
+        if self.calculate_kv_scales and self.scale_granularity != "per_tensor":
+            raise ValueError("calculate_kv_scales calibrates per-tensor scales: it needs "
+                             "scale_granularity='per_tensor'")
+        if self.attention_backend is not None and self.attention_backend not in QUANTIZED_BACKENDS:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by the attention backends "
+                             f"{list(QUANTIZED_BACKENDS)} only so far, not {self.attention_backend!r}")
+        for bad, what in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (the workers' head-split "
+                           "caches hold no scales yet)"),
+                          (self.disaggregated, "disaggregated=True (the KV transfer sends the blocks without "
+                           "their scales yet)")):
+            if bad:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} cannot go with {what}")
 
     def _check_async(self) -> None:
         if not isinstance(self.async_scheduling, bool):
@@ -191,7 +224,8 @@ class EngineConfig:
         if self.simulate is not None:              # the simulated model's budget (vLLM's formula, perf/cost.py),
             # allocated only up to what max_num_seqs full contexts can hold: blocks past that could only keep
             # freed prefixes cached, and would cost this machine gigabytes for a GPU-sized pool
-            budget = self.cost_model().num_gpu_blocks(self.block_size, self.gpu_memory_utilization)
+            budget = self.cost_model().num_gpu_blocks(self.block_size, self.gpu_memory_utilization,
+                                                      self.kv_cache_dtype, self.scale_granularity)
             return min(budget, self.max_num_seqs * -(-n_ctx // self.block_size))
         return self.max_num_seqs * -(-n_ctx // self.block_size)
 

@@ -101,7 +101,9 @@ class LLMEngine:
         num_draft = p.num_scratch_blocks(c.max_num_seqs, c.block_size) if p else 0
         self.kv_cache = tp_cache if tp_cache is not None else \
             KVCache(mc.n_layer + (p.extra_kv_layers if p else 0), num_blocks + num_scratch + num_draft,
-                    c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device)
+                    c.block_size, mc.num_kv_heads, mc.head_dim, dtype=model.dtype, device=model.device,
+                    kv_cache_dtype=c.kv_cache_dtype, scale_granularity=c.scale_granularity,
+                    calculate_kv_scales=c.calculate_kv_scales)
         if p:
             p.bind(self.allocator, self.kv_cache, num_blocks + num_scratch, num_draft)
         sched = StaticScheduler if c.scheduling == "static" else AsyncScheduler if c.async_scheduling else Scheduler
@@ -138,7 +140,8 @@ class LLMEngine:
     def _build_hierarchy(self, num_blocks: int) -> None:
         """The host pool, its tensor and the scheduler's memory hierarchy, when swapping or a host tier is asked for."""
         c, kv = self.config, self.kv_cache
-        per = KVCache.bytes_per_block(kv.num_layers, c.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype)
+        per = KVCache.bytes_per_block(kv.num_layers, c.block_size, kv.num_kv_heads, kv.head_dim, kv.model_dtype,
+                                      kv.kv_cache_dtype, kv.scale_granularity)
         swap, offload = c.host_blocks(per, num_blocks)
         self.host_pool, self.bytes_per_block = None, per
         if c.preemption_mode != "swap" and not offload:

@@ -209,3 +209,19 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_
     elem = torch.empty((), dtype=storage_dtype(kv_cache_dtype, model_dtype)).element_size()
     scale = SCALE_DTYPE.itemsize if is_quantized(kv_cache_dtype) and scale_granularity == "per_token_head" else 0
     return 2 * num_layers * num_kv_heads * (head_dim * elem + scale)
+
+
+# -- the command line (``python -m minibatch generate`` and ``serve``), vLLM's flag names ---------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES) + list(ALIASES),
+                   help="the KV blocks' dtype: auto (the model's), fp8_e4m3 (fp8), fp8_e5m2 or int8")
+    p.add_argument("--kv-scale-granularity", default="per_tensor", choices=list(SCALE_GRANULARITIES),
+                   help="a quantized cache's scales: one per layer (1.0, or --calculate-kv-scales) or per (token, head)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="per_tensor: the first batch sets each layer's scales (amax / max), never updated")
+
+
+def config_kwargs(args) -> dict:
+    return dict(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                scale_granularity=getattr(args, "kv_scale_granularity", "per_tensor"),
+                calculate_kv_scales=getattr(args, "calculate_kv_scales", False))

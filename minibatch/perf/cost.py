@@ -46,6 +46,9 @@ import math
 import re
 from dataclasses import dataclass
 
+import torch
+
+from minibatch.kv import quant
 from minibatch.perf.hardware import HardwareProfile, get_hardware
 from minibatch.perf.host import HOST_CPU, HostCpuProfile
 from minibatch.perf.models import CHECKPOINTS, DEFAULT_DRAFT, ModelProfile, get_model
@@ -53,6 +56,15 @@ from minibatch.perf.models import CHECKPOINTS, DEFAULT_DRAFT, ModelProfile, get_
 KERNELS_PER_LAYER = 10     # 2 norms, qkv, rotary/cache write, attention, o_proj, 2 residual adds, mlp in, mlp out
 KERNELS_HEAD = 3           # final norm, lm_head, sampling
 HOST_SUFFIX = "+cpu"       # 'h100+cpu:target': the device and the host CPU beside it (perf/host.py)
+
+
+def kv_bytes_per_token(m: ModelProfile, kv_cache_dtype: str = "auto", scale_granularity: str = "per_tensor") -> float:
+    """One token's K/V in every layer at the cache's dtype (``kv/quant.py`` counts it): the model's dtype for
+    "auto" (``m.kv_bytes_per_token``), one byte a value for fp8/int8, plus 4 bytes per (token, KV head) scale."""
+    if quant.check_kv_cache_dtype(kv_cache_dtype) == "auto":
+        return m.kv_bytes_per_token
+    return quant.bytes_per_token(m.n_layer, m.n_kv_heads, m.head_dim, kv_cache_dtype,
+                                 torch.float32 if m.dtype_bytes == 4 else torch.bfloat16, scale_granularity)
 
 
 @dataclass
@@ -104,8 +116,10 @@ class CostModel:
         return f"CostModel({tp}{self.hw.name}{host}:{self.model.name}, draft {self.draft.name if self.draft else None})"
 
     # -- memory ---------------------------------------------------------------------------------------------
-    def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
-        """vLLM's KV budget: (memory x gpu_memory_utilization - weights) / bytes of one block, per device."""
+    def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
+                       scale_granularity: str = "per_tensor") -> int:
+        """vLLM's KV budget: (memory x gpu_memory_utilization - weights) / bytes of one block, per device; a
+        quantized cache's block counts its stored bytes and its scales (``kv_bytes_per_token``)."""
         m, budget = self.model, self.hw.mem_capacity * gpu_memory_utilization
         kv_proj = m.n_layer * m.hidden * 2 * m.dtype_bytes                 # k/v projections' bytes per unit of K
         weights = (m.weight_bytes - kv_proj * m.kv_dim) / self.tp + kv_proj * self.kv_dim_per_rank(m)
@@ -114,7 +128,8 @@ class CostModel:
                              f"{self.hw.mem_capacity / 1e9:.0f} GB x gpu_memory_utilization {gpu_memory_utilization} "
                              f"= {budget / 1e9:.1f} GB; choose a larger profile, tensor parallelism ('2x{self.hw.name}"
                              f":{m.name}'), a higher gpu_memory_utilization or a smaller model")
-        return int((budget - weights) // (block_size * m.kv_bytes_per_token * self.kv_dim_per_rank(m) / m.kv_dim))
+        per_token = kv_bytes_per_token(m, kv_cache_dtype, scale_granularity)
+        return int((budget - weights) // (block_size * per_token * self.kv_dim_per_rank(m) / m.kv_dim))
 
     def kv_dim_per_rank(self, m: ModelProfile) -> float:
         """K/V width a rank holds: max(1, n_kv / tp) heads x d. Past n_kv ranks every rank still holds (and

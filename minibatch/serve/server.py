@@ -35,6 +35,7 @@ import time
 from typing import Optional
 
 from minibatch.engine import memory_hierarchy
+from minibatch.kv import quant
 
 ENGINE_DEATH_GRACE_S = 2.0      # after the engine core dies, seconds of 503s before `serve` exits (status 1)
 
@@ -71,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N's forward runs (vLLM's flag; engine/async_scheduler.py)")
     memory_hierarchy.add_arguments(p)
+    quant.add_arguments(p)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (vLLM's flag)")
     p.add_argument("--cuda-graph-mode", default="auto", choices=["auto", "eager-replay", "compile"],
                    help="decode steps: auto (CUDA graphs on a GPU, plain on a CPU), compile (on a CPU: compiled per "
@@ -91,7 +93,7 @@ def make_llm(args):
                enforce_eager=getattr(args, "enforce_eager", False),
                cuda_graph_mode=getattr(args, "cuda_graph_mode", "auto"),
                async_scheduling=getattr(args, "async_scheduling", False),
-               **memory_hierarchy.config_kwargs(args))
+               **memory_hierarchy.config_kwargs(args), **quant.config_kwargs(args))
 
 
 def make_llm_in_core(args):
