@@ -6,7 +6,7 @@ config as arguments. The config was checked already (``spec_decode/config.py``, 
 """
 from __future__ import annotations
 
-from minibatch.model.heads import load_head
+from minibatch.model.heads import head_for
 from minibatch.model.weights import load_model
 from minibatch.spec_decode.config import HEAD_METHODS, tree_settings
 from minibatch.spec_decode.draft_model import DraftModelProposer
@@ -25,7 +25,7 @@ def make_proposer(spec_config, target, draft, engine_config):
     if method == "ngram":
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))
     if method in HEAD_METHODS:
-        head = load_head(method, target, directory=spec_config.get("model"))
+        head = head_for(method, target, directory=spec_config.get("model"))   # llama_medusa for the Llama
         if method == "medusa":
             return MedusaProposer(head, k, tree=None if tree_cfg is None else tree_cfg["choices"])
         if method == "eagle":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minibatch.model.heads import token_embedding
 from minibatch.model.training import batched_causal_attention
 
 MEDUSA_DECAY = 0.8                    # lambda_i = 0.8^i (Medusa §2.1.1)
@@ -50,7 +51,7 @@ def medusa_eval(heads, target, toks, hidden) -> dict:
     h = hidden["final"][:, : S - K - 1].reshape(-1, C).float()         # [W * (S-K-1), C]
     logits = heads(h)                                                  # [N, K, V]
     top5 = logits.topk(5, dim=-1).indices                              # [N, K, 5]
-    wte = target.wte.weight.t().float()
+    wte = token_embedding(target).t().float()
     base = (h @ wte).argmax(-1)                                        # the target's own guess of t + 1
     out = {"target_top1_t+1": (base == toks[:, 1: S - K].reshape(-1)).float().mean().item()}
     for i in range(K):
@@ -72,7 +73,7 @@ def medusa_batch(toks, hidden, K, batch, rng):
 def exit_loss(adapter, target, toks, hidden, w, t):
     """Soft cross-entropy of the early exit (first E blocks + adapter + ln_f + head) against the full target."""
     with torch.no_grad():
-        p = (hidden["final"][w, t].float() @ target.wte.weight.t()).softmax(-1)      # the target's p [B, V]
+        p = target.lm_head(hidden["final"][w, t].float()).softmax(-1)      # the target's p [B, V]
     logq = adapter.logits(target, hidden[adapter.exit_layer][w, t].float()).log_softmax(-1)
     return -(p * logq).sum(-1).mean()
 
@@ -84,9 +85,9 @@ def exit_eval(adapter, target, toks, hidden) -> dict:
     the adapter, so the adapter's worth shows."""
     E, C = adapter.exit_layer, hidden["final"].shape[-1]
     x, h = hidden[E].reshape(-1, C).float(), hidden["final"].reshape(-1, C).float()
-    p = (h @ target.wte.weight.t()).softmax(-1)
+    p = target.lm_head(h).softmax(-1)
     out = {}
-    for name, logits in (("adapter", adapter.logits(target, x)), ("plain_exit", target.ln_f(x) @ target.wte.weight.t())):
+    for name, logits in (("adapter", adapter.logits(target, x)), ("plain_exit", target.lm_head(target.final_norm(x)))):
         q = logits.softmax(-1)
         out[f"{name}_greedy_agreement"] = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
         out[f"{name}_sampled_acceptance"] = torch.minimum(p, q).sum(-1).mean().item()
@@ -119,7 +120,7 @@ def eagle_loss(head, target, toks, hidden, w, idx, noise):
     """SmoothL1(f^_p, f_p) + 0.1 x CE(head(f^_p), the target's distribution head(f_p)) (EAGLE §4.2)."""
     f_hat = eagle_forward(head, target, toks, hidden, w, idx, noise)
     f = hidden["final"][w[:, None], idx].float()
-    wte = target.wte.weight.t()
+    wte = token_embedding(target).t()
     p = (f @ wte).softmax(-1)
     cls = -(p * (f_hat @ wte).log_softmax(-1)).sum(-1).mean()
     return F.smooth_l1_loss(f_hat, f) + EAGLE_CLS_WEIGHT * cls
@@ -140,7 +141,7 @@ def eagle_eval(head, target, toks, hidden) -> dict:
     of a first draft) and sum_x min(p, q) (sampled, temperature 1); and the same with every input feature one of
     the head's own guesses (a pessimistic stand-in for drafts 2, 3, ...: EAGLE's feature drift)."""
     W, S, C = hidden["final"].shape
-    wte, out = target.wte.weight.t(), {}
+    wte, out = token_embedding(target).t(), {}
     agree = {"first": [], "fed_own": []}
     accept = {"first": [], "fed_own": []}
     for i in range(0, W, 8):

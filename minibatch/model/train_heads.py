@@ -35,9 +35,9 @@ import torch
 from minibatch.model.data import load_corpus
 from minibatch.model.head_objectives import (eagle_batch, eagle_eval, eagle_loss, exit_eval, exit_loss, medusa_batch,
                                              medusa_eval, medusa_loss, position_batch)
-from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads
+from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads, token_embedding
 from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
-from minibatch.model.weights import HEAD_PRESETS, WEIGHTS_DIR, load_model, read_manifest, save_tensors
+from minibatch.model.weights import HEAD_KINDS, HEADS_OF, WEIGHTS_DIR, head_preset, load_model, read_manifest, save_tensors
 
 @torch.no_grad()
 def precompute(target, data: np.ndarray, windows: int, seq: int, rng, keys=("final",), batch: int = 8):
@@ -65,7 +65,7 @@ def build(preset, target, args):
         heads = MedusaHeads.from_target(target, args.num_heads)
         return (heads, ("final",),
                 lambda m, tk, hs, rng: medusa_loss(m, tk, hs, *medusa_batch(tk, hs, m.num_heads, args.batch_size, rng),
-                                                   teacher_head=target.wte.weight if args.distill else None),
+                                                   teacher_head=token_embedding(target) if args.distill else None),
                 lambda m, tk, hs: medusa_eval(m, target, tk, hs))
     if preset == "early_exit":
         if not 1 <= args.exit_layer < target.config.n_layer:
@@ -75,18 +75,20 @@ def build(preset, target, args):
                 lambda m, tk, hs, rng: exit_loss(m, target, tk, hs, *position_batch(hs, "final", args.batch_size, rng)),
                 lambda m, tk, hs: exit_eval(m, target, tk, hs))
     if preset == "eagle":
-        head = EagleHead(target.config.n_embd, target.config.vocab_size, target.config.n_head)
+        head = EagleHead.from_target(target)             # the target's kind of block: the GPT's, or a Llama layer
         return (head, ("final",),
                 lambda m, tk, hs, rng: eagle_loss(m, target, tk, hs, *eagle_batch(hs, args.crop, args.batch_size, rng),
                                                   args.noise),
                 lambda m, tk, hs: eagle_eval(m, target, tk, hs))
-    raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_PRESETS)}")
+    raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_KINDS)}")
 
 
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m minibatch.model.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True, choices=list(HEAD_PRESETS))
+    ap.add_argument("--preset", required=True, choices=list(HEAD_KINDS), help="which head")
+    ap.add_argument("--model", default="target", choices=list(HEADS_OF),
+                    help="the frozen model it reads (saved as head_preset(preset, model): medusa, llama_medusa, ...)")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=2048, help="positions per step (eagle: in windows of --crop)")
     ap.add_argument("--windows", type=int, default=1024, help="training windows the target is run over once")
@@ -127,14 +129,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    target = load_model("target", device="cpu")
+    if args.preset not in HEADS_OF[args.model]:
+        raise ValueError(f"--preset {args.preset} is not a head of --model {args.model}; its heads: {HEADS_OF[args.model]}")
+    name = head_preset(args.preset, args.model)
+    target = load_model(args.model, device="cpu")
     for p in target.parameters():
         p.requires_grad_(False)
     head, keys, loss_fn, eval_fn = build(args.preset, target, args)
     previous = None
     if args.init:                                                 # a further stage from the shipped weights
         from minibatch.model.heads import load_head
-        shipped = load_head(args.preset, target)
+        shipped = load_head(name, target)
         if shipped.config() != head.config():
             raise ValueError(f"--init: the shipped {args.preset} is {shipped.config()}, this run builds {head.config()}")
         head.load_state_dict(shipped.state_dict())
@@ -166,7 +171,7 @@ def main(argv=None):
             log.append(ev)
             print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items()), flush=True)
     info = {"config": head.config(), "preset": args.preset, "num_params": head.num_params(),
-            "target_sha256": read_manifest("target")["sha256"],
+            "target": args.model, "target_sha256": read_manifest(args.model)["sha256"],
             "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "eval_every")},
             "command": "python -m minibatch.model.train " + " ".join(_without_out(sys.argv[1:] if argv is None else argv)),
             "precompute_minutes": round(pre_min, 1), "train_minutes": round((time.time() - t1) / 60, 1),
@@ -174,7 +179,7 @@ def main(argv=None):
     if previous is not None:                                      # every stage of the recipe, in order
         stage = lambda m: {k: m[k] for k in ("recipe", "command", "train_minutes", "final") if k in m}
         info["stages"] = previous.get("stages", [stage(previous)]) + [stage(info) | {"init": previous["sha256"]}]
-    print("saved", save_tensors(args.preset, head.state_dict(), info, args.out or WEIGHTS_DIR))
+    print("saved", save_tensors(name, head.state_dict(), info, args.out or WEIGHTS_DIR))
     return head, info
 
 

@@ -23,7 +23,17 @@ from minibatch.model import registry
 from minibatch.model.registry import PRESETS
 
 WEIGHTS_DIR = pathlib.Path(__file__).parent / "checkpoints"
-HEAD_PRESETS = ("medusa", "eagle", "early_exit")       # modules on top of the frozen target (heads.py)
+HEAD_KINDS = ("medusa", "eagle", "early_exit", "eagle3")   # modules on top of the frozen target (heads.py)
+HEADS_OF = {"target": HEAD_KINDS[:3], "llama": HEAD_KINDS}     # which heads ship for which model
+
+
+def head_preset(kind: str, model: str = "target") -> str:
+    """The checkpoint name of the ``kind`` head trained on ``model``: the GPT target's heads keep their first
+    names (``medusa``), every other model's carry its name in front (``llama_medusa``), so none clash."""
+    return kind if model == "target" else f"{model}_{kind}"
+
+
+HEAD_PRESETS = tuple(head_preset(k, m) for m, kinds in HEADS_OF.items() for k in kinds)
 
 
 class ChecksumError(RuntimeError):

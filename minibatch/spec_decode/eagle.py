@@ -129,9 +129,8 @@ class EagleProposer(Proposer):
             return
         probs = {s.seq_id: [] for s, _ in drafting}
         live = list(drafting)
-        wte = self.target.wte.weight.t()
         for j in range(self.k if live else 0):
-            logits = (torch.stack([last[s.seq_id] for s, _ in live]) @ wte).float().cpu()        # [B_live, V]
+            logits = self.head.logits(self.target, torch.stack([last[s.seq_id] for s, _ in live])).float().cpu()
             for (seq, _), row, top in zip(live, logits, logits.argmax(-1).tolist()):
                 if seq.params.greedy:                             # greedy verify reads no q: skip building it
                     tok = top
