@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minibatch.model.eagle3_head import Eagle3Head           # EAGLE-3 has its own room
 from minibatch.model.weights import HEADS_OF, check_dtype, head_preset, load_tensors, resolve_device
 
 
@@ -187,7 +188,7 @@ class EagleHead(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter, "eagle": EagleHead}
+KINDS = {"medusa": MedusaHeads, "early_exit": ExitAdapter, "eagle": EagleHead, "eagle3": Eagle3Head}
 
 
 def build_head(config: dict) -> nn.Module:
@@ -235,6 +236,9 @@ def load_head(preset: str, target=None, device=None, dtype=torch.float32, direct
         if (head.n_embd, head.vocab_size) != (cfg.n_embd, cfg.vocab_size):
             raise ValueError(f"the {preset} head reads width {head.n_embd} and vocabulary {head.vocab_size}; the "
                              f"target has {cfg.n_embd} and {cfg.vocab_size}: it was trained for another model")
+        if max(getattr(head, "layers", (0,))) > cfg.n_layer:
+            raise ValueError(f"the EAGLE-3 head reads the states after blocks {head.layers}; the target has only "
+                             f"{cfg.n_layer}")
         if getattr(head, "exit_layer", 0) >= cfg.n_layer:
             raise ValueError(f"the early-exit adapter exits after {head.exit_layer} blocks; the target has only "
                              f"{cfg.n_layer}")

@@ -12,6 +12,9 @@ frozen, so the heads train on one GPU in hours; here on one CPU core in minutes)
 * ``early_exit``: an adapter on the residual stream after E = ``--exit-layer`` blocks learns the full
   target's next-byte distribution (soft cross-entropy; LayerSkip §3, Kangaroo §3.1). Reported: greedy
   agreement with the target and sum_x min(p, q), with the adapter and without it (the plain exit).
+* ``eagle3``: one Llama layer on (token embedding, fc(low, middle, high target states)), trained on the
+  target's distribution alone, rolled out ``--ttt-steps`` steps on its own outputs (EAGLE-3 §3.2's
+  training-time test; ``eagle3_head.py``). Reported: each step's agreement and a greedy chain's tau.
 * ``eagle``: one block on (token embedding, target feature) learns the next feature, SmoothL1 + 0.1 x CE
   against the target's distribution, with noise on the input features (EAGLE §4.2), on crops of the
   precomputed windows (it attends, so it trains on sequences). Reported: first-draft greedy agreement
@@ -33,9 +36,10 @@ import numpy as np
 import torch
 
 from minibatch.model.data import load_corpus
-from minibatch.model.head_objectives import (eagle_batch, eagle_eval, eagle_loss, exit_eval, exit_loss, medusa_batch,
-                                             medusa_eval, medusa_loss, position_batch)
-from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads, token_embedding
+from minibatch.model.head_objectives import (eagle3_eval, eagle3_loss, eagle_batch, eagle_eval, eagle_loss, exit_eval,
+                                             exit_loss, medusa_batch, medusa_eval, medusa_loss, position_batch,
+                                             rollout_batch)
+from minibatch.model.heads import Eagle3Head, EagleHead, ExitAdapter, MedusaHeads, token_embedding
 from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
 from minibatch.model.weights import HEAD_KINDS, HEADS_OF, WEIGHTS_DIR, head_preset, load_model, read_manifest, save_tensors
 
@@ -80,6 +84,13 @@ def build(preset, target, args):
                 lambda m, tk, hs, rng: eagle_loss(m, target, tk, hs, *eagle_batch(hs, args.crop, args.batch_size, rng),
                                                   args.noise),
                 lambda m, tk, hs: eagle_eval(m, target, tk, hs))
+    if preset == "eagle3":
+        head = Eagle3Head.from_target(target, tuple(args.layers))
+        return (head, tuple(head.layers) + ("final",),
+                lambda m, tk, hs, rng: eagle3_loss(m, target, tk, hs, *rollout_batch(hs, args.crop, args.batch_size,
+                                                                                     args.ttt_steps, rng),
+                                                   args.ttt_steps),
+                lambda m, tk, hs: eagle3_eval(m, target, tk, hs, args.ttt_steps))
     raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_KINDS)}")
 
 
@@ -106,6 +117,9 @@ def parse(argv):
     ap.add_argument("--adapter-hidden", type=int, default=256, help="early_exit: the adapter MLP's width")
     ap.add_argument("--crop", type=int, default=256, help="eagle: positions per training window")
     ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise on the input features")
+    ap.add_argument("--layers", type=int, nargs=3, default=[1, 2, 4],
+                    help="eagle3: the low, middle and high states it fuses (blocks run)")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time test, steps rolled out")
     ap.add_argument("--init", action="store_true", help="continue from the shipped checkpoint (a further stage)")
     ap.add_argument("--out", default=None, help="directory for the checkpoint (default: minibatch/model/checkpoints)")
     return ap.parse_args(argv)
