@@ -7,7 +7,7 @@ config as arguments. The config was checked already (``spec_decode/config.py``, 
 from __future__ import annotations
 
 from minibatch.model.heads import head_for
-from minibatch.model.weights import load_model
+from minibatch.model.weights import HEADS_OF, load_model
 from minibatch.spec_decode.config import HEAD_METHODS, tree_settings
 from minibatch.spec_decode.draft_model import DraftModelProposer
 from minibatch.spec_decode.eagle import EagleProposer
@@ -22,7 +22,8 @@ def make_proposer(spec_config, target, draft, engine_config):
     if spec_config is None:
         return None
     method, k = spec_config["method"], spec_config.get("num_speculative_tokens")
-    tree_cfg = tree_settings(spec_config)
+    name = target.config.name
+    tree_cfg = tree_settings(spec_config, name if name in HEADS_OF else "target")     # Medusa's: its heads' tree
     if method == "ngram":
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))
     if method in HEAD_METHODS:

@@ -112,14 +112,14 @@ def dynamic_tree_sizes(spec_config) -> dict:
     return {"num_draft_tokens": n, "depth": depth, "topk": topk}
 
 
-def tree_settings(spec_config) -> Optional[dict]:
+def tree_settings(spec_config, model: str = "target") -> Optional[dict]:
     """The tree a checked speculative_config asks for: None (a chain), {"choices": [...]} (Medusa's static
-    tree, shipped or given) or {"num_draft_tokens", "depth", "topk"} (EAGLE-2's dynamic tree)."""
+    tree, given, or shipped for ``model``'s heads) or {"num_draft_tokens", "depth", "topk"} (EAGLE-2's)."""
     kind = spec_config.get("tree")
     if kind is None:
         return None
     if isinstance(kind, (list, tuple)):
         return {"choices": [tuple(c) for c in kind]}
     if kind == "static":
-        return {"choices": load_tree(spec_config.get("num_draft_tokens"))}
+        return {"choices": load_tree(spec_config.get("num_draft_tokens"), model)}
     return dynamic_tree_sizes(spec_config)
