@@ -12,7 +12,13 @@ little to it, reading what the target computes anyway.
 * ``ExitAdapter`` (early exit, LayerSkip / Kangaroo): a residual MLP on the target's state after E
   blocks, so that the target's own first E layers + ln_f + head draft.
 * ``EagleHead`` (EAGLE, Li et al. 2024): fc(2C -> C) on (token embedding, target feature), one transformer
-  block, the target's head; trained on SmoothL1 to the next feature + 0.1 x CE to the target's distribution.
+  block (the target's kind: GPT-2's, or a Llama decoder layer), the target's head; trained on SmoothL1 to the
+  next feature + 0.1 x CE to the target's distribution.
+* ``Eagle3Head`` (EAGLE-3, ``eagle3_head.py``): one Llama layer on three fused target states.
+
+Each head reads one checkpoint's hidden states: ``head_for`` picks the head of the target's checkpoint by name
+(``weights.head_preset``: ``medusa`` for the GPT target, ``llama_medusa`` for the Llama) and ``load_head``
+refuses one whose manifest names another checkpoint.
 
 Shapes: N = rows, C = n_embd, V = vocab_size, K = heads.
 Each module knows its ``config()`` (stored in the checkpoint's ``.json``) and is rebuilt from it by

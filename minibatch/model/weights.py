@@ -5,8 +5,9 @@ Each preset has two files in ``minibatch/model/checkpoints/``:
   ``<preset>.json``         the config, the SHA-256 of the tensor file, and how it was trained
 The model presets (``target``, ``draft``: GPTs; ``llama``) load as the class their config's architecture names
 (``load_model``, through ``registry.py``); the speculative heads
-(``medusa``, ``eagle``, ``early_exit``: ``minibatch/model/heads.py``) as their own modules through
-``load_tensors``, the same two files and the same checks.
+(``medusa``, ``eagle``, ``early_exit``, and the Llama's ``llama_medusa``, ..., ``llama_eagle3``:
+``minibatch/model/heads.py``; ``head_preset`` names them) as their own modules through ``load_tensors``, the same
+two files and the same checks.
 safetensors holds raw tensors and a JSON header only, so loading cannot run code
 (unlike ``pickle``). The checksum catches a truncated or swapped file.
 """
