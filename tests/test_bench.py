@@ -2,6 +2,8 @@
 measured in benchmarks, never asserted in unit tests), and what they print is well formed."""
 import re
 
+import pytest
+
 from minibatch import bench
 
 
