@@ -2,6 +2,8 @@
 measured in benchmarks, never asserted in unit tests), and what they print is well formed."""
 import re
 
+import pytest
+
 from minibatch import bench
 
 
@@ -100,3 +102,16 @@ def test_bench_profile_splits_a_decode_step_into_its_rows(capsys):
     assert rows["K/V gather (index_select of the context)"][0] > 0 and rows["SDPA"][0] > 0
     if "," in cols:
         assert rows["attention: C++ operator, blocks read in place"][2] > 0 and rows["SDPA"][2] == 0
+
+
+def test_bench_speculative_on_the_llama_prints_the_gpts_rows_after_its_own(capsys):
+    from minibatch.model.weights import WEIGHTS_DIR
+    if not (WEIGHTS_DIR / "llama_eagle3.safetensors").exists():
+        pytest.skip("no shipped llama_eagle3")
+    bench.main(["speculative", "--model", "llama", "--methods", "medusa,eagle3", "--ks", "2", "--batch-sizes", "1",
+                "--max-tokens", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    sections = re.split(r"^model: ", out, flags=re.M)[1:]
+    assert [s.split(";")[0] for s in sections] == ["llama", "target"]
+    rows = [[line.split()[2] for line in s.splitlines() if line.startswith(("low", "high"))] for s in sections]
+    assert rows == [["medusa", "eagle3"] * 2, ["medusa"] * 2], "the GPT has no EAGLE-3 head: no row for it"

@@ -28,15 +28,29 @@ def plain_text():
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_every_method_gives_the_plain_greedy_text_and_says_what_it_accepted(method, plain_text, capsys):
-    code, out, err = generate(capsys, "--speculative", method, "-k", "3")
-    assert code == 0 and out == plain_text
+def check_stats_line(method, err):
     m = re.search(rf"# speculative decoding \({method}\): (\d+) of (\d+) drafts accepted \(acceptance rate "
                   r"(\d\.\d\d)\), (\d+\.\d\d) tokens per verify step", err)
     assert m, err
     accepted, proposed = int(m[1]), int(m[2])
     assert 0 <= accepted <= proposed and proposed > 0 and float(m[3]) == pytest.approx(accepted / proposed, abs=0.005)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "eagle3"])     # eagle3: the Llama's head only
+def test_every_method_gives_the_plain_greedy_text_and_says_what_it_accepted(method, plain_text, capsys):
+    code, out, err = generate(capsys, "--speculative", method, "-k", "3")
+    assert code == 0 and out == plain_text
+    check_stats_line(method, err)
+
+
+def test_eagle3_on_the_llama_gives_its_plain_greedy_text(capsys):
+    from minibatch.model.weights import WEIGHTS_DIR
+    if not (WEIGHTS_DIR / "llama_eagle3.safetensors").exists():
+        pytest.skip("no shipped llama_eagle3 (python -m minibatch.model.train --preset eagle3 --model llama)")
+    _, plain, _ = generate(capsys, "--model", "llama")
+    code, out, err = generate(capsys, "--model", "llama", "--speculative", "eagle3", "-k", "4")
+    assert code == 0 and out == plain
+    check_stats_line("eagle3", err)
 
 
 def test_a_token_tree_from_the_speculative_config(plain_text, capsys):
@@ -49,6 +63,7 @@ def test_a_token_tree_from_the_speculative_config(plain_text, capsys):
     (["--speculative", "ngram", "--speculative-config", '{"method": "ngram"}'], "not both"),
     (["--speculative-config", '{"method": "nope"}'], "unknown speculative method 'nope'"),
     (["--speculative", "draft", "-k", "17"], "num_speculative_tokens must be an integer in [0, 16]"),
+    (["--speculative", "eagle3", "-k", "2"], "method 'eagle3' needs the head 'eagle3'"),    # the GPT has none
 ])
 def test_bad_speculation_is_a_clear_error(argv, needle, capsys):
     code, out, err = generate(capsys, *argv)

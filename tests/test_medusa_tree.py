@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minibatch.model.heads import MedusaHeads, load_head
-from minibatch.model.weights import WEIGHTS_DIR, read_manifest
+from minibatch.model.weights import WEIGHTS_DIR, head_preset, read_manifest
 from minibatch.kv import tree
 from minibatch.spec_decode import medusa_tree
 from minibatch.spec_decode.medusa import MedusaProposer
@@ -58,21 +58,24 @@ def test_choose_refuses_more_nodes_than_seen():
         medusa_tree.choose(medusa_tree.prefix_counts(RANKS), 50)
 
 
-@pytest.mark.skipif(not HAVE, reason="no shipped medusa checkpoint")
-def test_the_shipped_trees_belong_to_the_shipped_heads_and_beat_the_chain():
-    doc = json.loads(medusa_tree.TREE_FILE.read_text())
-    assert doc["medusa_sha256"] == read_manifest("medusa")["sha256"], \
-        "the trees were measured on other heads: rerun python -m minibatch.bench.medusa_tree"
-    heads = read_manifest("medusa")["config"]["num_heads"]
+@pytest.mark.parametrize("model", ["target", "llama"])
+def test_the_shipped_trees_belong_to_the_shipped_heads_and_beat_the_chain(model):
+    name = head_preset("medusa", model)                  # the GPT's medusa, the Llama's llama_medusa
+    if not (WEIGHTS_DIR / f"{name}.safetensors").exists() or not medusa_tree.tree_file(model).exists():
+        pytest.skip(f"no shipped {name} checkpoint or tree")
+    doc = json.loads(medusa_tree.tree_file(model).read_text())
+    assert doc["medusa_sha256"] == read_manifest(name)["sha256"], \
+        f"the trees were measured on other heads: rerun python -m minibatch.bench.medusa_tree --model {model}"
+    heads = read_manifest(name)["config"]["num_heads"]
     assert sorted(map(int, doc["trees"])) == list(medusa_tree.SIZES)
     taus = []
     for n in medusa_tree.SIZES:
-        ch = medusa_tree.load_tree(n)
+        ch = medusa_tree.load_tree(n, model)
         parents, _ = tree.from_choices(ch)
         assert len(parents) == n + 1 and max(map(len, ch)) <= heads
         taus.append(doc["trees"][str(n)]["tau_held_out"])
     assert taus == sorted(taus) and taus[0] > doc["chain"]["tau_held_out"]
-    assert medusa_tree.load_tree() == medusa_tree.load_tree(medusa_tree.DEFAULT_SIZE)
+    assert medusa_tree.load_tree(None, model) == medusa_tree.load_tree(medusa_tree.DEFAULT_SIZE, model)
 
 
 def test_an_unshipped_size_is_refused_naming_the_shipped_ones():

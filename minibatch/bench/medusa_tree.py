@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 
 import numpy as np
@@ -18,9 +19,9 @@ import torch
 from minibatch.llm import LLM
 from minibatch.model.data import val_documents
 from minibatch.model.heads import load_head
-from minibatch.model.weights import load_model, read_manifest
+from minibatch.model.weights import HEADS_OF, head_preset, load_model, read_manifest
 from minibatch.sampling.sampler import SamplingParams
-from minibatch.spec_decode.medusa_tree import MAX_RANK, SIZES, TREE_FILE, choose, prefix_counts, ranks_of, tau
+from minibatch.spec_decode.medusa_tree import MAX_RANK, SIZES, choose, prefix_counts, ranks_of, tau, tree_file
 
 
 @torch.no_grad()
@@ -50,13 +51,15 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES))
-    ap.add_argument("--out", default=str(TREE_FILE))
+    ap.add_argument("--model", default="target", choices=list(HEADS_OF), help="whose Medusa heads")
+    ap.add_argument("--out", default=None, help="default: the model's tree file (medusa_tree.json, llama_...)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    target = load_model("target")
-    heads = load_head("medusa", target)
+    target = load_model(args.model)
+    heads = load_head(head_preset("medusa", args.model), target)
+    args.out = args.out or str(tree_file(args.model))
     per_seq = measure_ranks(target, heads, args.prompts, new_tokens=args.new_tokens, seed=args.seed)
     fit, held = np.concatenate(per_seq[0::2]), np.concatenate(per_seq[1::2])       # by sequence, not position
     counts = prefix_counts(fit)
@@ -72,8 +75,8 @@ def main(argv=None):
               f"({trees[str(n)]['tau_fit']:.3f} on the positions it was chosen on)")
     doc = {"what": "Medusa static trees (minibatch/spec_decode/medusa_tree.py): choice (r_0..r_{d-1}) = head d-1's "
                    "rank r_{d-1} guess under the node (r_0..r_{d-2}); tau = 1 + expected accepted drafts, greedy",
-           "medusa_sha256": read_manifest("medusa")["sha256"],
-           "command": "python -m minibatch.bench.medusa_tree " + " ".join(argv or []),
+           "medusa_sha256": read_manifest(head_preset("medusa", args.model))["sha256"],
+           "command": " ".join(["python -m minibatch.bench.medusa_tree"] + (sys.argv[1:] if argv is None else list(argv))),
            "data": {"prompts": args.prompts, "prompt_len": 64, "new_tokens": args.new_tokens, "seed": args.seed,
                     "positions_fit": int(len(fit)), "positions_held_out": int(len(held)), "max_rank": MAX_RANK},
            "chain": {"choices": [list(c) for c in chain], "tau_fit": round(tau(chain, fit), 4),

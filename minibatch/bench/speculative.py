@@ -34,7 +34,7 @@ from minibatch.llm import LLM
 from minibatch.stats import run_stats
 from minibatch.trace import TraceRecorder
 
-ALL_METHODS = ("draft", "ngram", "medusa", "eagle", "early_exit")
+ALL_METHODS = ("draft", "ngram", "medusa", "eagle", "early_exit", "eagle3")
 
 
 def added_params(llm) -> tuple[int, str]:
@@ -125,16 +125,30 @@ def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plai
 
 
 def bench_speculative(args) -> list:
+    """Every method's rows for ``--model`` (target, llama, or both: target,llama); a model other than the GPT
+    target gets the GPT's rows after its own, on the same prompts, so the two read side by side."""
+    names = getattr(args, "model", "target").split(",")
+    if "target" not in names:
+        names.append("target")
+    rows = []
+    for name in names:
+        rows += bench_model(args, name)
+    return rows
+
+
+def bench_model(args, name: str) -> list:
     from minibatch.sampling.sampler import SamplingParams
     from minibatch.model.data import val_documents
     from minibatch.model.weights import load_model
-    model = load_model("target", device=args.device)
+    model = load_model(name, device=args.device)
     draft = load_model("draft", device=model.device)
-    methods = args.methods or [m for m in ALL_METHODS if _available(m)]
+    methods = args.methods or [m for m in ALL_METHODS if _available(m, name)]
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
-    print(f"device: {model.device}; target {model.num_params():,} parameters; methods {', '.join(methods)}")
+    methods = [m for m in methods if _available(m, name)]             # --methods eagle3 on the GPT: no head
+    print(f"model: {name}; device: {model.device}; target {model.num_params():,} parameters; methods "
+          f"{', '.join(methods)}")
     if getattr(args, "simulate", None):
         args.repeats = 1
         print(f"clock: simulated, {args.simulate} (minibatch.perf's roofline; the draft costed as "
@@ -153,7 +167,7 @@ def bench_speculative(args) -> list:
             plain = LLM(model, max_num_seqs=max(bs, 1), simulate=getattr(args, "simulate", None))
             for method in methods:
                 for k in args.ks:
-                    if k > _max_k(method):
+                    if k > _max_k(method, name):
                         continue
                     if method != "early_exit" or getattr(args, "kv_reuse", "on") != "off":
                         rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain))
@@ -163,6 +177,8 @@ def bench_speculative(args) -> list:
                     if getattr(args, "typical", False) and method == "medusa" and temp > 0:
                         rows.append(bench_row(model, draft, method, k, ps, sp, bs, args.repeats, label, plain,
                                               extra={"acceptance": "typical"}))
+    for r in rows:
+        r["model"] = name
     return rows
 
 
@@ -172,13 +188,15 @@ def draft_name(simulate: str) -> str:
     return CostModel.from_spec(simulate).draft.name
 
 
-def _available(method: str) -> bool:
-    from minibatch.model.weights import WEIGHTS_DIR
-    return method in ("draft", "ngram") or (WEIGHTS_DIR / f"{method}.safetensors").exists()
+def _available(method: str, model: str = "target") -> bool:
+    """Whether ``model`` can speculate with ``method``: no head needed, or its own head ships."""
+    from minibatch.model.weights import HEADS_OF, WEIGHTS_DIR, head_preset
+    return method in ("draft", "ngram") or (method in HEADS_OF.get(model, ()) and
+                                            (WEIGHTS_DIR / f"{head_preset(method, model)}.safetensors").exists())
 
 
-def _max_k(method: str) -> int:
+def _max_k(method: str, model: str = "target") -> int:
     if method == "medusa":
-        from minibatch.model.weights import read_manifest
-        return read_manifest("medusa")["config"]["num_heads"]
+        from minibatch.model.weights import head_preset, read_manifest
+        return read_manifest(head_preset("medusa", model))["config"]["num_heads"]
     return 16

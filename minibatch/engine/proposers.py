@@ -6,11 +6,12 @@ config as arguments. The config was checked already (``spec_decode/config.py``, 
 """
 from __future__ import annotations
 
-from minibatch.model.heads import load_head
-from minibatch.model.weights import load_model
+from minibatch.model.heads import head_for
+from minibatch.model.weights import HEADS_OF, load_model
 from minibatch.spec_decode.config import HEAD_METHODS, tree_settings
 from minibatch.spec_decode.draft_model import DraftModelProposer
 from minibatch.spec_decode.eagle import EagleProposer
+from minibatch.spec_decode.eagle3 import Eagle3Proposer
 from minibatch.spec_decode.early_exit import EarlyExitProposer
 from minibatch.spec_decode.medusa import MedusaProposer
 from minibatch.spec_decode.ngram import NgramProposer
@@ -21,17 +22,19 @@ def make_proposer(spec_config, target, draft, engine_config):
     if spec_config is None:
         return None
     method, k = spec_config["method"], spec_config.get("num_speculative_tokens")
-    tree_cfg = tree_settings(spec_config)
+    name = target.config.name
+    tree_cfg = tree_settings(spec_config, name if name in HEADS_OF else "target")     # Medusa's: its heads' tree
     if method == "ngram":
         return NgramProposer(k, spec_config.get("prompt_lookup_max", 3), spec_config.get("prompt_lookup_min", 1))
     if method in HEAD_METHODS:
-        head = load_head(method, target, directory=spec_config.get("model"))
+        head = head_for(method, target, directory=spec_config.get("model"))   # llama_medusa for the Llama
         if method == "medusa":
             return MedusaProposer(head, k, tree=None if tree_cfg is None else tree_cfg["choices"])
-        if method == "eagle":
+        if method in ("eagle", "eagle3"):
+            cls = EagleProposer if method == "eagle" else Eagle3Proposer
             if tree_cfg is None:
-                return EagleProposer(target, head, k, engine_config)
-            return EagleProposer(target, head, tree_cfg["depth"], engine_config, tree=tree_cfg)
+                return cls(target, head, k, engine_config)
+            return cls(target, head, tree_cfg["depth"], engine_config, tree=tree_cfg)
         return EarlyExitProposer(target, head, k, engine_config, kv_reuse=spec_config.get("kv_reuse", True))
     if draft is None:
         draft = load_model("draft", device=target.device, dtype=target.dtype)

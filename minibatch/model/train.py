@@ -59,11 +59,11 @@ def evaluate(model: GPT, val: np.ndarray, teacher: GPT | None = None, windows: i
 
 def main(argv=None):
     import sys
-    from minibatch.model.weights import HEAD_PRESETS
+    from minibatch.model.weights import HEAD_KINDS, HEAD_PRESETS
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset")
-    if pre.parse_known_args(argv)[0].preset in HEAD_PRESETS:      # a head on the frozen target
+    if pre.parse_known_args(argv)[0].preset in HEAD_KINDS:        # a head on the frozen target (--model)
         from minibatch.model import train_heads
         return train_heads.main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,6 +12,9 @@ frozen, so the heads train on one GPU in hours; here on one CPU core in minutes)
 * ``early_exit``: an adapter on the residual stream after E = ``--exit-layer`` blocks learns the full
   target's next-byte distribution (soft cross-entropy; LayerSkip §3, Kangaroo §3.1). Reported: greedy
   agreement with the target and sum_x min(p, q), with the adapter and without it (the plain exit).
+* ``eagle3``: one Llama layer on (token embedding, fc(low, middle, high target states)), trained on the
+  target's distribution alone, rolled out ``--ttt-steps`` steps on its own outputs (EAGLE-3 §3.2's
+  training-time test; ``eagle3_head.py``). Reported: each step's agreement and a greedy chain's tau.
 * ``eagle``: one block on (token embedding, target feature) learns the next feature, SmoothL1 + 0.1 x CE
   against the target's distribution, with noise on the input features (EAGLE §4.2), on crops of the
   precomputed windows (it attends, so it trains on sequences). Reported: first-draft greedy agreement
@@ -33,11 +36,12 @@ import numpy as np
 import torch
 
 from minibatch.model.data import load_corpus
-from minibatch.model.head_objectives import (eagle_batch, eagle_eval, eagle_loss, exit_eval, exit_loss, medusa_batch,
-                                             medusa_eval, medusa_loss, position_batch)
-from minibatch.model.heads import EagleHead, ExitAdapter, MedusaHeads
+from minibatch.model.head_objectives import (eagle3_eval, eagle3_loss, eagle_batch, eagle_eval, eagle_loss, exit_eval,
+                                             exit_loss, medusa_batch, medusa_eval, medusa_loss, position_batch,
+                                             rollout_batch)
+from minibatch.model.heads import Eagle3Head, EagleHead, ExitAdapter, MedusaHeads, token_embedding
 from minibatch.model.training import batched_causal_attention, cosine_lr, sample_windows
-from minibatch.model.weights import HEAD_PRESETS, WEIGHTS_DIR, load_model, read_manifest, save_tensors
+from minibatch.model.weights import HEAD_KINDS, HEADS_OF, WEIGHTS_DIR, head_preset, load_model, read_manifest, save_tensors
 
 @torch.no_grad()
 def precompute(target, data: np.ndarray, windows: int, seq: int, rng, keys=("final",), batch: int = 8):
@@ -65,7 +69,7 @@ def build(preset, target, args):
         heads = MedusaHeads.from_target(target, args.num_heads)
         return (heads, ("final",),
                 lambda m, tk, hs, rng: medusa_loss(m, tk, hs, *medusa_batch(tk, hs, m.num_heads, args.batch_size, rng),
-                                                   teacher_head=target.wte.weight if args.distill else None),
+                                                   teacher_head=token_embedding(target) if args.distill else None),
                 lambda m, tk, hs: medusa_eval(m, target, tk, hs))
     if preset == "early_exit":
         if not 1 <= args.exit_layer < target.config.n_layer:
@@ -75,18 +79,27 @@ def build(preset, target, args):
                 lambda m, tk, hs, rng: exit_loss(m, target, tk, hs, *position_batch(hs, "final", args.batch_size, rng)),
                 lambda m, tk, hs: exit_eval(m, target, tk, hs))
     if preset == "eagle":
-        head = EagleHead(target.config.n_embd, target.config.vocab_size, target.config.n_head)
+        head = EagleHead.from_target(target)             # the target's kind of block: the GPT's, or a Llama layer
         return (head, ("final",),
                 lambda m, tk, hs, rng: eagle_loss(m, target, tk, hs, *eagle_batch(hs, args.crop, args.batch_size, rng),
                                                   args.noise),
                 lambda m, tk, hs: eagle_eval(m, target, tk, hs))
-    raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_PRESETS)}")
+    if preset == "eagle3":
+        head = Eagle3Head.from_target(target, tuple(args.layers))
+        return (head, tuple(head.layers) + ("final",),
+                lambda m, tk, hs, rng: eagle3_loss(m, target, tk, hs, *rollout_batch(hs, args.crop, args.batch_size,
+                                                                                     args.ttt_steps, rng),
+                                                   args.ttt_steps),
+                lambda m, tk, hs: eagle3_eval(m, target, tk, hs, args.ttt_steps))
+    raise ValueError(f"unknown head preset {preset!r}; choose one of {list(HEAD_KINDS)}")
 
 
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m minibatch.model.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True, choices=list(HEAD_PRESETS))
+    ap.add_argument("--preset", required=True, choices=list(HEAD_KINDS), help="which head")
+    ap.add_argument("--model", default="target", choices=list(HEADS_OF),
+                    help="the frozen model it reads (saved as head_preset(preset, model): medusa, llama_medusa, ...)")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=2048, help="positions per step (eagle: in windows of --crop)")
     ap.add_argument("--windows", type=int, default=1024, help="training windows the target is run over once")
@@ -104,6 +117,9 @@ def parse(argv):
     ap.add_argument("--adapter-hidden", type=int, default=256, help="early_exit: the adapter MLP's width")
     ap.add_argument("--crop", type=int, default=256, help="eagle: positions per training window")
     ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise on the input features")
+    ap.add_argument("--layers", type=int, nargs=3, default=[1, 2, 4],
+                    help="eagle3: the low, middle and high states it fuses (blocks run)")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time test, steps rolled out")
     ap.add_argument("--init", action="store_true", help="continue from the shipped checkpoint (a further stage)")
     ap.add_argument("--out", default=None, help="directory for the checkpoint (default: minibatch/model/checkpoints)")
     return ap.parse_args(argv)
@@ -127,14 +143,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    target = load_model("target", device="cpu")
+    if args.preset not in HEADS_OF[args.model]:
+        raise ValueError(f"--preset {args.preset} is not a head of --model {args.model}; its heads: {HEADS_OF[args.model]}")
+    name = head_preset(args.preset, args.model)
+    target = load_model(args.model, device="cpu")
     for p in target.parameters():
         p.requires_grad_(False)
     head, keys, loss_fn, eval_fn = build(args.preset, target, args)
     previous = None
     if args.init:                                                 # a further stage from the shipped weights
         from minibatch.model.heads import load_head
-        shipped = load_head(args.preset, target)
+        shipped = load_head(name, target)
         if shipped.config() != head.config():
             raise ValueError(f"--init: the shipped {args.preset} is {shipped.config()}, this run builds {head.config()}")
         head.load_state_dict(shipped.state_dict())
@@ -166,7 +185,7 @@ def main(argv=None):
             log.append(ev)
             print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items()), flush=True)
     info = {"config": head.config(), "preset": args.preset, "num_params": head.num_params(),
-            "target_sha256": read_manifest("target")["sha256"],
+            "target": args.model, "target_sha256": read_manifest(args.model)["sha256"],
             "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "eval_every")},
             "command": "python -m minibatch.model.train " + " ".join(_without_out(sys.argv[1:] if argv is None else argv)),
             "precompute_minutes": round(pre_min, 1), "train_minutes": round((time.time() - t1) / 60, 1),
@@ -174,7 +193,7 @@ def main(argv=None):
     if previous is not None:                                      # every stage of the recipe, in order
         stage = lambda m: {k: m[k] for k in ("recipe", "command", "train_minutes", "final") if k in m}
         info["stages"] = previous.get("stages", [stage(previous)]) + [stage(info) | {"init": previous["sha256"]}]
-    print("saved", save_tensors(args.preset, head.state_dict(), info, args.out or WEIGHTS_DIR))
+    print("saved", save_tensors(name, head.state_dict(), info, args.out or WEIGHTS_DIR))
     return head, info
 
 

@@ -5,8 +5,9 @@ Each preset has two files in ``minibatch/model/checkpoints/``:
   ``<preset>.json``         the config, the SHA-256 of the tensor file, and how it was trained
 The model presets (``target``, ``draft``: GPTs; ``llama``) load as the class their config's architecture names
 (``load_model``, through ``registry.py``); the speculative heads
-(``medusa``, ``eagle``, ``early_exit``: ``minibatch/model/heads.py``) as their own modules through
-``load_tensors``, the same two files and the same checks.
+(``medusa``, ``eagle``, ``early_exit``, and the Llama's ``llama_medusa``, ..., ``llama_eagle3``:
+``minibatch/model/heads.py``; ``head_preset`` names them) as their own modules through ``load_tensors``, the same
+two files and the same checks.
 safetensors holds raw tensors and a JSON header only, so loading cannot run code
 (unlike ``pickle``). The checksum catches a truncated or swapped file.
 """
@@ -23,7 +24,17 @@ from minibatch.model import registry
 from minibatch.model.registry import PRESETS
 
 WEIGHTS_DIR = pathlib.Path(__file__).parent / "checkpoints"
-HEAD_PRESETS = ("medusa", "eagle", "early_exit")       # modules on top of the frozen target (heads.py)
+HEAD_KINDS = ("medusa", "eagle", "early_exit", "eagle3")   # modules on top of the frozen target (heads.py)
+HEADS_OF = {"target": HEAD_KINDS[:3], "llama": HEAD_KINDS}     # which heads ship for which model
+
+
+def head_preset(kind: str, model: str = "target") -> str:
+    """The checkpoint name of the ``kind`` head trained on ``model``: the GPT target's heads keep their first
+    names (``medusa``), every other model's carry its name in front (``llama_medusa``), so none clash."""
+    return kind if model == "target" else f"{model}_{kind}"
+
+
+HEAD_PRESETS = tuple(head_preset(k, m) for m, kinds in HEADS_OF.items() for k in kinds)
 
 
 class ChecksumError(RuntimeError):

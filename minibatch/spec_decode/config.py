@@ -12,14 +12,14 @@ from minibatch.spec_decode.medusa_tree import load_tree
 from minibatch.spec_decode.ngram import check_ngram_sizes
 from minibatch.spec_decode.typical import check_typical_config
 
-METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle")
-HEAD_METHODS = ("medusa", "early_exit", "eagle")            # a trained head on the frozen target (minibatch/model/heads.py)
+METHODS = ("draft", "ngram", "medusa", "early_exit", "eagle", "eagle3")
+HEAD_METHODS = ("medusa", "early_exit", "eagle", "eagle3")          # a trained head on the frozen target (minibatch/model/heads.py)
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
         "acceptance", "posterior_threshold", "posterior_alpha",      # these three: typical.py (lossy, opt-in)
         "tree", "num_draft_tokens", "depth", "topk",                 # token trees (tree.py)
         "kv_reuse"}                                                  # early exit: LayerSkip's KV reuse (early_exit.py)
-TREE_KINDS = {"medusa": "static", "eagle": "dynamic"}    # who makes which tree ("static" also: a list of choices)
+TREE_KINDS = {"medusa": "static", "eagle": "dynamic", "eagle3": "dynamic"}    # who makes which tree ("static" also: a list of choices)
 TREE_DEFAULTS = {"num_draft_tokens": 16, "depth": 5, "topk": 4}      # EAGLE-2's dynamic tree, sized for a CPU
 
 
@@ -112,14 +112,14 @@ def dynamic_tree_sizes(spec_config) -> dict:
     return {"num_draft_tokens": n, "depth": depth, "topk": topk}
 
 
-def tree_settings(spec_config) -> Optional[dict]:
+def tree_settings(spec_config, model: str = "target") -> Optional[dict]:
     """The tree a checked speculative_config asks for: None (a chain), {"choices": [...]} (Medusa's static
-    tree, shipped or given) or {"num_draft_tokens", "depth", "topk"} (EAGLE-2's dynamic tree)."""
+    tree, given, or shipped for ``model``'s heads) or {"num_draft_tokens", "depth", "topk"} (EAGLE-2's)."""
     kind = spec_config.get("tree")
     if kind is None:
         return None
     if isinstance(kind, (list, tuple)):
         return {"choices": [tuple(c) for c in kind]}
     if kind == "static":
-        return {"choices": load_tree(spec_config.get("num_draft_tokens"))}
+        return {"choices": load_tree(spec_config.get("num_draft_tokens"), model)}
     return dynamic_tree_sizes(spec_config)

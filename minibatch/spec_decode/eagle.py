@@ -72,7 +72,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs, runner_output, scheduler_output) -> None:
-        feats, qsl = runner_output.hidden_states["final"], runner_output.query_start_loc    # [T, C], [B+1]
+        feats, qsl = self.features(runner_output.hidden_states), runner_output.query_start_loc    # [T, C], [B+1]
         zero = feats.new_zeros(feats.shape[-1])
         catch = {}                      # seq id -> (seq, block table, c0, tokens, features) of entries to write
         for b, s in enumerate(scheduler_output.scheduled):
@@ -129,9 +129,8 @@ class EagleProposer(Proposer):
             return
         probs = {s.seq_id: [] for s, _ in drafting}
         live = list(drafting)
-        wte = self.target.wte.weight.t()
         for j in range(self.k if live else 0):
-            logits = (torch.stack([last[s.seq_id] for s, _ in live]) @ wte).float().cpu()        # [B_live, V]
+            logits = self.head.logits(self.target, torch.stack([last[s.seq_id] for s, _ in live])).float().cpu()
             for (seq, _), row, top in zip(live, logits, logits.argmax(-1).tolist()):
                 if seq.params.greedy:                             # greedy verify reads no q: skip building it
                     tok = top
@@ -148,6 +147,11 @@ class EagleProposer(Proposer):
             last = dict(zip([s.seq_id for s, _ in live], f_hat))
         for seq, _ in drafting:
             seq.spec_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None   # greedy: one-hot
+
+    def features(self, hidden_states: dict) -> torch.Tensor:
+        """The feature an entry reads at a position the target computed, [T, C]: EAGLE's is the final norm's
+        output (EAGLE-3's fuses three states, ``eagle3.py``)."""
+        return hidden_states["final"]
 
     def _forward(self, batch) -> torch.Tensor:
         """The head over a flat batch of entries: [(seq id, block table, first position, token ids, f_{p-1}s

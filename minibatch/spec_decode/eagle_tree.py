@@ -86,7 +86,7 @@ def draft_trees(proposer, drafting, root_f_hat: dict, draft_table: dict, topk: i
     draft_table: seq id -> its drafting block table (scratch blocks from the root's slot on)."""
     if not drafting:
         return
-    wte = proposer.target.wte.weight.t()                                              # [C, V]
+    logits = lambda f: proposer.head.logits(proposer.target, f)                      # [n, C] -> [n, V]
     grow = {}
     for seq, depth in drafting:
         g = Growth(seq.token_ids[seq.num_computed_tokens], proposer.state[seq.seq_id][1], depth)
@@ -94,7 +94,7 @@ def draft_trees(proposer, drafting, root_f_hat: dict, draft_table: dict, topk: i
         grow[seq.seq_id] = g
     # depth 1: the root's children
     live = [(seq, grow[seq.seq_id]) for seq, _ in drafting]
-    log_q = torch.log_softmax((torch.stack([g.f_hat[0] for _, g in live]) @ wte).float(), -1).cpu()   # [B, V]
+    log_q = torch.log_softmax(logits(torch.stack([g.f_hat[0] for _, g in live])).float(), -1).cpu()   # [B, V]
     newest = {seq.seq_id: g.add_children(0, lq, topk) for (seq, g), lq in zip(live, log_q)}
     for d in range(2, max((depth for _, depth in drafting), default=0) + 1):
         live = [(seq, g) for seq, g in live if g.depth >= d]
@@ -115,7 +115,7 @@ def draft_trees(proposer, drafting, root_f_hat: dict, draft_table: dict, topk: i
                 g.f_hat[node] = f_hat[start + i]
             start += n
         fresh = [(seq, g, node) for seq, g in live for node in g.expanded if g.depths[node] == d - 1]
-        log_q = torch.log_softmax((torch.stack([g.f_hat[node] for _, g, node in fresh]) @ wte).float(), -1).cpu()
+        log_q = torch.log_softmax(logits(torch.stack([g.f_hat[node] for _, g, node in fresh])).float(), -1).cpu()
         newest = {seq.seq_id: [] for seq, _ in live}
         for (seq, g, node), lq in zip(fresh, log_q):
             newest[seq.seq_id] += g.add_children(node, lq, topk)

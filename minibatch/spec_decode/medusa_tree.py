@@ -41,19 +41,26 @@ import torch
 
 from minibatch.model.weights import WEIGHTS_DIR
 
-TREE_FILE = WEIGHTS_DIR / "medusa_tree.json"
+TREE_FILE = WEIGHTS_DIR / "medusa_tree.json"                  # the GPT target's heads'
+
+
+def tree_file(model: str = "target"):
+    """The static trees chosen from ``model``'s own Medusa heads: the GPT's ``medusa_tree.json``, the Llama's
+    ``llama_medusa_tree.json`` (the heads' names, ``weights.head_preset``)."""
+    return TREE_FILE if model == "target" else WEIGHTS_DIR / f"{model}_medusa_tree.json"
 SIZES = (8, 16, 32)             # draft nodes (the root not counted) of the shipped trees
 DEFAULT_SIZE = 16               # {"tree": "static"} without num_draft_tokens
 MAX_RANK = 8                    # ranks considered per head (top-8): deeper runners-up are almost never right
 
 
-def load_tree(num_draft_tokens=None) -> list:
-    """The shipped static tree of ``num_draft_tokens`` nodes (default 16), as a list of choices."""
+def load_tree(num_draft_tokens=None, model: str = "target") -> list:
+    """The shipped static tree of ``num_draft_tokens`` nodes (default 16) for ``model``'s heads, as choices."""
     n = DEFAULT_SIZE if num_draft_tokens is None else num_draft_tokens
-    if not TREE_FILE.exists():
-        raise FileNotFoundError(f"no shipped Medusa tree at {TREE_FILE}; make it with "
-                                f"python -m minibatch.bench.medusa_tree")
-    trees = json.loads(TREE_FILE.read_text())["trees"]
+    path = tree_file(model)
+    if not path.exists():
+        raise FileNotFoundError(f"no shipped Medusa tree at {path}; make it with "
+                                f"python -m minibatch.bench.medusa_tree --model {model}")
+    trees = json.loads(path.read_text())["trees"]
     if str(n) not in trees:
         raise ValueError(f"the shipped Medusa static trees have {sorted(map(int, trees))} nodes, not {n!r}; "
                          f"choose one of them, or give your own tree as a list of choices")

@@ -22,9 +22,11 @@ the engine builds the one asked for, ``engine/proposers.py``):
   verify starts at layer E for the rows it drafted (``verify_start``, LayerSkip's KV reuse; ``"kv_reuse": False``
   recomputes them).
 * ``"eagle"``: one block drafting in feature space (``eagle.py``), its K/V one more layer of the target's cache.
+* ``"eagle3"``: EAGLE's drafting from three fused target states, trained by a training-time test (``eagle3.py``).
 
 The methods that add a trained module to the target load it from ``minibatch/model/checkpoints/``
-(``<method>.safetensors``, checksum verified), or from the directory ``speculative_config["model"]``.
+(``<method>.safetensors`` for the GPT target, ``<model>_<method>.safetensors`` for another model:
+``weights.head_preset``; checksum verified), or from the directory ``speculative_config["model"]``.
 """
 from __future__ import annotations
 
