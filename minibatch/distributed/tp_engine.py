@@ -47,7 +47,7 @@ from minibatch.kv.kv_cache import KVCache
 from minibatch.model.model import GPT, DenseAttention
 from minibatch.model.registry import build, config_from_dict, config_to_dict
 
-UNSPLITTABLE_METHODS = ("eagle", "early_exit")
+UNSPLITTABLE_METHODS = ("eagle", "eagle3", "early_exit")
 
 
 class WorkerDied(RuntimeError):

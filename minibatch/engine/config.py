@@ -106,7 +106,7 @@ class EngineConfig:
         if not isinstance(self.disaggregated, bool):
             raise TypeError(f"disaggregated must be True or False, got {self.disaggregated!r}")
         method = (self.speculative_config or {}).get("method")
-        if self.tensor_parallel_size > 1 and method in ("eagle", "early_exit"):
+        if self.tensor_parallel_size > 1 and method in ("eagle", "eagle3", "early_exit"):
             raise ValueError(f"speculative method {method!r} drafts inside the target's KV cache (an extra layer or "
                              f"scratch blocks written directly), which a head-split cache does not hold: use "
                              f"'draft', 'ngram' or 'medusa' with tensor_parallel_size > 1")
