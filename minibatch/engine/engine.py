@@ -287,23 +287,29 @@ class LLMEngine:
         prepared = runner.prepare(nxt) if nxt.scheduled else None
         t1 = time.perf_counter()
         done, self._in_flight = self._in_flight, None
-        if done is not None:
-            out, prep, future, t_sched, t_launch = done
-            result, t_forward = future.result()       # step N's forward (its error, if any, is raised here)
-            t2 = time.perf_counter()                  # the update span starts here: sampling is the CPU's work
-            runner_output = runner.finish(out, prep, result)
-            sched.resolve(out, runner_output)
+        sampled = self._sample_in_flight(done) if done is not None else None
         if nxt.scheduled:
             ids = [t for s in nxt.scheduled for t in s.input_token_ids]
-            self._in_flight = (nxt, prepared, self._launch(nxt, prepared, ids), (t0, t1), time.perf_counter())
-        elif done is None:
-            if sched.has_unfinished():
-                raise RuntimeError("the scheduler could schedule nothing while requests wait: the cache or the "
-                                   "token budget is too small for any of them")
-            return []
-        if done is None:
-            return []
-        changed, finished = sched.update_from_output(out, runner_output)
+            self._in_flight = (nxt, prepared, self._launch(nxt, prepared, ids), (t0, t1))
+        elif done is None and sched.has_unfinished():
+            raise RuntimeError("the scheduler could schedule nothing while requests wait: the cache or the "
+                               "token budget is too small for any of them")
+        return [] if sampled is None else self._update_in_flight(*sampled, cpu0)
+
+    def _sample_in_flight(self, done) -> tuple:
+        """Wait for a step in flight (its error, if any, is raised here), sample it and resolve its placeholders.
+        Returns (its scheduler output, its runner output, (schedule span, forward span, update start))."""
+        out, prep, future, t_sched = done
+        result, t_forward = future.result()
+        t2 = time.perf_counter()                      # the update span starts here: sampling is the CPU's work
+        runner_output = self.model_runner.finish(out, prep, result)
+        self.scheduler.resolve(out, runner_output)
+        return out, runner_output, (t_sched, t_forward, t2)
+
+    def _update_in_flight(self, out, runner_output, spans, cpu0) -> list[RequestOutput]:
+        """The rest of the step's update (while the next forward runs), its trace and outputs."""
+        t_sched, t_forward, t2 = spans
+        changed, finished = self.scheduler.update_from_output(out, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
             logprobs.record(out, runner_output)
         return self._after_update(out, runner_output, changed, finished, t_sched[0], cpu0, 0.0,
@@ -323,16 +329,6 @@ class LLMEngine:
 
     def _drain(self) -> list[RequestOutput]:
         """Finish the step in flight before anything else is scheduled (no overlap for this one)."""
-        out, prep, future, t_sched, t_launch = self._in_flight
-        self._in_flight = None
+        done, self._in_flight = self._in_flight, None
         cpu0 = time.process_time()
-        result, t_forward = future.result()
-        t2 = time.perf_counter()
-        runner_output = self.model_runner.finish(out, prep, result)
-        self.scheduler.resolve(out, runner_output)
-        changed, finished = self.scheduler.update_from_output(out, runner_output)
-        if runner_output.logprobs or runner_output.prompt_logprobs:
-            logprobs.record(out, runner_output)
-        return self._after_update(out, runner_output, changed, finished, t_sched[0], cpu0, 0.0,
-                                  {"schedule_span": t_sched, "forward_span": t_forward,
-                                   "update_span": (t2, time.perf_counter())})
+        return self._update_in_flight(*self._sample_in_flight(done), cpu0)
