@@ -49,9 +49,10 @@ def test_serve_answers_as_colocated_with_its_engine_core_in_a_process(target_mod
         assert got["choices"][0]["text"] == want.outputs[0].text
         with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        # disaggregated, the first token comes from the prefill side alone; the decode side's steps may arrive
-        # several at once
-        assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == want.outputs[0].text
+        # the deltas arrive in as many chunks as the server found them: a reader that falls behind the engine gets
+        # several steps merged (as vLLM's AsyncLLM merges them), on a loaded 2-core machine the whole answer at once
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want.outputs[0].text
         deadline = time.monotonic() + 20
         while srv.engine_loop.call(engine_state).result(10)["has_unfinished"] and time.monotonic() < deadline:
             time.sleep(0.05)
