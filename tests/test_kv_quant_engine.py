@@ -87,8 +87,6 @@ def test_simulated_budget_counts_quantized_bytes():
     (dict(calculate_kv_scales=True), "needs a quantized kv_cache_dtype"),
     (dict(kv_cache_dtype="int8", scale_granularity="per_token_head", calculate_kv_scales=True), "per_tensor"),
     (dict(kv_cache_dtype="int8", attention_backend="triton"), "not 'triton'"),
-    (dict(kv_cache_dtype="int8", tensor_parallel_size=2), "tensor_parallel_size"),
-    (dict(kv_cache_dtype="int8", disaggregated=True), "disaggregated"),
 ])
 def test_bad_settings_refused_at_the_config(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -10,7 +10,7 @@ import torch
 from minibatch import SamplingParams
 from minibatch.disagg.instance import admit_handoff, handoff_header
 from minibatch.disagg.router import DisaggregatedEngine
-from minibatch.distributed.kv_transfer import KVSender
+from minibatch.distributed.kv_transfer import KVPayload, KVSender
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.engine import LLMEngine, check_prompt
 
@@ -82,7 +82,7 @@ def test_admit_prefilled_refuses_when_the_batch_is_full(target_model):
     assert len(dec.scheduler.running) == 1
     n_blocks, n_added = dec.allocator.num_free_blocks, dec._num_added
     mc = target_model.config
-    kv = torch.zeros(mc.n_layer, 2, 3, mc.num_kv_heads, mc.head_dim, dtype=dec.kv_cache.dtype)
+    kv = KVPayload(torch.zeros(mc.n_layer, 2, 3, mc.num_kv_heads, mc.head_dim, dtype=dec.kv_cache.dtype))
     assert dec.admit_prefilled("late", "abc", [97, 98, 99], 100, SamplingParams(max_tokens=4), kv,
                                arrival_time=0.0, first_token_time=0.0) is None
     assert list(dec.requests) == ["busy"] and [s.seq_id for s in dec.scheduler.running] == ["busy"]

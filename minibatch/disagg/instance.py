@@ -33,7 +33,7 @@ import traceback
 import torch
 
 from minibatch.distributed import comm
-from minibatch.distributed.kv_transfer import (DECODE_RANK, PREFILL_RANK, KVSender, receive)
+from minibatch.distributed.kv_transfer import (DECODE_RANK, PREFILL_RANK, KVPayload, KVSender, receive)
 
 INSTANCES = ("prefill", "decode")
 POLL_S = 0.02
@@ -139,7 +139,7 @@ def prefill_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, to_
 def handoff_header(seq, params, tr, shape=None) -> dict:
     """What the decode side needs of a sequence whose prompt (and first token) the prefill side computed: its
     tokens, the request's real params, its timings, the seeded generator's state (so seeded sampling goes on
-    where the first draw left it), the kv tensor's shape and the Transfer record."""
+    where the first draw left it), the shapes of what follows (``KVPayload.shapes``) and the Transfer record."""
     g = seq.generator
     return {"request_id": seq.request_id, "prompt": seq.request.prompt, "prompt_ids": seq.token_ids[:-1],
             "first_token": seq.token_ids[-1], "params": params, "arrival_time": seq.request.metrics.arrival_time,
@@ -147,7 +147,7 @@ def handoff_header(seq, params, tr, shape=None) -> dict:
             "generator_state": None if g is None else g.get_state(), "transfer": tr}
 
 
-def admit_handoff(eng, hdr: dict, kv: torch.Tensor) -> bool:
+def admit_handoff(eng, hdr: dict, kv: KVPayload) -> bool:
     """``LLMEngine.admit_prefilled`` for a request that arrived with ``handoff_header``'s header (this unpacks
     what that packs), the blocks its K/V went to recorded on its Transfer. False: no room now, try again after a
     step."""
@@ -178,7 +178,7 @@ def decode_main(addr, port, model_cfg, state, engine_cfg, device, ctl, out, from
                 elif msg[0] == "stats":
                     out.put(("stats", "decode", _stats(eng)))
             for hdr in _drain(from_prefill, block=idle):
-                arrived.append((hdr, receive(hdr["shape"], eng.kv_cache.dtype)))
+                arrived.append((hdr, receive(hdr["shape"], eng.kv_cache)))
             still = []
             for hdr, kv in arrived:
                 if hdr["request_id"] in aborted:

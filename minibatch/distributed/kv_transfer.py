@@ -19,16 +19,26 @@ with num_computed_tokens = prompt length: its next step is a plain decode of the
 
 Bytes per request: 2 (K and V) x layers x prompt tokens x kv_heads x head_dim x element size; for the tiny
 target, 2 x 4 x 256 x 4 = 8 KiB per prompt token in float32. ``transfer_bytes`` is the one formula.
+
+**Quantized blocks** (``kv_cache_dtype``, ``kv/quant.py``) travel as they are stored, one byte a value (fp8 as its
+bytes: gloo has no float8), with their scales (a ``KVPayload``): per (token, head), the prompt's [L, 2, n, Hkv]
+scales, written beside the values on the decode side; per tensor, the prefill side's layer scales [L, 2], which a
+decode instance that calibrates (``calculate_kv_scales``) adopts, and which a decode instance with other scales
+requantizes by (dequantize with the sender's, quantize with its own). The bytes on the wire shrink with the cache:
+a quarter of float32's, plus the scales. (SGLang shipped a bug where a radix-cache hit dropped the scales, #24198:
+the K/V were read back with the wrong ones, silently; a scale goes wherever its values go.)
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from minibatch.kv.kv_cache import slot_mapping
+from minibatch.kv import quant
+from minibatch.kv.kv_cache import _raw, slot_mapping
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 
@@ -49,21 +59,57 @@ class Transfer:
     dst_blocks: list = field(default_factory=list)
 
 
-def gather_prompt(kv_cache, block_table: list, num_tokens: int, block_size: int) -> torch.Tensor:
-    """The K/V of positions 0 .. num_tokens-1 of one sequence: a copy [L, 2, n, Hkv, D]."""
-    L, _, N, bs, H, D = kv_cache.kv.shape
-    slots = slot_mapping([block_table], [0], [num_tokens], block_size, kv_cache.device)
-    return kv_cache.kv.view(L, 2, N * bs, H, D)[:, :, slots].clone()
+@dataclass
+class KVPayload:
+    """What a handoff sends: ``kv`` [L, 2, n, Hkv, D] in the pool's storage dtype, and ``scales``: None ("auto"),
+    the layer scales [L, 2] (per tensor) or [L, 2, n, Hkv] (per token and head)."""
+    kv: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+
+    @property
+    def shapes(self) -> tuple:
+        return tuple(self.kv.shape), None if self.scales is None else tuple(self.scales.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.scales) if t is not None)
 
 
-def scatter_prompt(kv_cache, block_table: list, start: int, kv: torch.Tensor, block_size: int) -> None:
-    """Write kv [L, 2, n, Hkv, D] (positions 0 .. n-1) at positions start .. n-1 of the sequence's slots."""
+def _slots(kv_cache, block_table: list, start: int, n: int, block_size: int) -> torch.Tensor:
+    return slot_mapping([block_table], [start], [n - start], block_size, kv_cache.device)
+
+
+def gather_prompt(kv_cache, block_table: list, num_tokens: int, block_size: int) -> KVPayload:
+    """The K/V of positions 0 .. num_tokens-1 of one sequence, copied (with their scales, if quantized)."""
     L, _, N, bs, H, D = kv_cache.kv.shape
+    slots = _slots(kv_cache, block_table, 0, num_tokens, block_size)
+    kv = _raw(kv_cache.kv).view(L, 2, N * bs, H, D)[:, :, slots].view(kv_cache.dtype)
+    scales = kv_cache.scales
+    if scales is not None:
+        scales = scales.view(L, 2, N * bs, H)[:, :, slots] if scales.dim() > 2 else scales.clone()
+    return KVPayload(kv, scales)
+
+
+def scatter_prompt(kv_cache, block_table: list, start: int, payload: KVPayload, block_size: int) -> None:
+    """Write the payload's positions start .. n-1 (of 0 .. n-1) into the sequence's slots, with their scales."""
+    L, _, N, bs, H, D = kv_cache.kv.shape
+    kv, scales = payload.kv, payload.scales
     n = kv.shape[2]
     if n <= start:
         return
-    slots = slot_mapping([block_table], [start], [n - start], block_size, kv_cache.device)
-    kv_cache.kv.view(L, 2, N * bs, H, D)[:, :, slots] = kv[:, :, start:].to(kv_cache.device, kv_cache.dtype)
+    slots = _slots(kv_cache, block_table, start, n, block_size)
+    kv = kv[:, :, start:].to(kv_cache.device)
+    if scales is not None and scales.dim() > 2:              # per (token, head): the scales go with their values
+        kv_cache.scales.view(L, 2, N * bs, H)[:, :, slots] = scales[:, :, start:].to(kv_cache.device)
+    elif scales is not None:                                 # per tensor: adopt the sender's, or requantize
+        scales = scales.to(kv_cache.device)
+        kv_cache.adopt_scales(scales)
+        if not torch.equal(scales, kv_cache.scales):
+            x = kv.to(torch.float32) * scales[:, :, None, None, None]
+            kv = quant._quantize(x, kv_cache.dtype, kv_cache.scales[:, :, None, None, None])
+    if kv_cache.scales is None:
+        kv = kv.to(kv_cache.dtype)
+    _raw(kv_cache.kv).view(L, 2, N * bs, H, D)[:, :, slots] = _raw(kv)
 
 
 class KVSender:
@@ -72,31 +118,39 @@ class KVSender:
     def __init__(self, kv_cache, block_size: int, wants):
         self.kv_cache, self.block_size = kv_cache, block_size
         self.wants = wants               # seq -> bool: does this finished sequence go on decoding elsewhere?
-        self.pending: list = []          # (seq, kv copy, Transfer)
+        self.pending: list = []          # (seq, KVPayload, Transfer)
 
     def request_finished(self, seq, block_table: list) -> None:
         if seq.finish_reason != "length" or not self.wants(seq):
             return
         n = seq.num_computed_tokens      # the prompt (the first token's K/V is computed by the decode side)
-        kv = gather_prompt(self.kv_cache, block_table, n, self.block_size)
-        self.pending.append((seq, kv, Transfer(seq.request_id, n, list(block_table[: -(-n // self.block_size)]),
-                                               kv.numel() * kv.element_size())))
+        payload = gather_prompt(self.kv_cache, block_table, n, self.block_size)
+        self.pending.append((seq, payload, Transfer(seq.request_id, n, list(block_table[: -(-n // self.block_size)]),
+                                                    payload.nbytes)))
 
     def send_all(self, header_queue, make_header) -> list:
         """Send every pending copy: its header on the queue, then the tensor. Returns the Transfers."""
         done, self.pending = self.pending, []
         out = []
-        for seq, kv, tr in done:
+        for seq, payload, tr in done:
             tr.t_start = time.perf_counter()
-            header_queue.put(make_header(seq, tuple(kv.shape), tr))
-            dist.send(kv.contiguous(), dst=DECODE_RANK)
+            header_queue.put(make_header(seq, payload.shapes, tr))
+            dist.send(_raw(payload.kv).contiguous(), dst=DECODE_RANK)
+            if payload.scales is not None:
+                dist.send(payload.scales.contiguous(), dst=DECODE_RANK)
             tr.duration = time.perf_counter() - tr.t_start
             out.append(tr)
         return out
 
 
-def receive(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The decode side: the tensor that follows a header (blocks until it has arrived, or the timeout)."""
-    kv = torch.empty(shape, dtype=dtype)
-    dist.recv(kv, src=PREFILL_RANK)
-    return kv
+def receive(shapes: tuple, kv_cache) -> KVPayload:
+    """The decode side: the tensors that follow a header (``KVPayload.shapes``), in ``kv_cache``'s storage dtype;
+    blocks until they have arrived, or the timeout."""
+    kv_shape, scales_shape = shapes
+    kv = torch.empty(kv_shape, dtype=kv_cache.dtype)
+    dist.recv(_raw(kv), src=PREFILL_RANK)              # (a view: the bytes land in kv)
+    scales = None
+    if scales_shape is not None:
+        scales = torch.empty(scales_shape, dtype=quant.SCALE_DTYPE)
+        dist.recv(scales, src=PREFILL_RANK)
+    return KVPayload(kv, scales)

@@ -202,7 +202,7 @@ class TPKVCache(KVCache):
 
 # -- the worker ---------------------------------------------------------------------------------------------------------
 def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state: dict, cache_shape: tuple,
-                device: str, timeout_s: float) -> None:
+                device: str, timeout_s: float, kv_quant: dict) -> None:
     """Rank ``rank``'s loop: its shard of the model and of the cache, and one message at a time."""
     torch.set_num_threads(1)              # the driver owns the machine's other cores (engine/threads policy)
     comm.init(rank, world, addr, port, device, timeout_s)
@@ -211,8 +211,7 @@ def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state
         full.load_state_dict(state)
         dtype = next(iter(state.values())).dtype
         shard = shard_model(full.to(device=device, dtype=dtype), rank, world).eval()
-        num_layers, num_blocks, block_size, heads, head_dim = cache_shape
-        cache = KVCache(num_layers, num_blocks, block_size, heads, head_dim, dtype=dtype, device=device)
+        cache = _cache(cache_shape, dtype, device, kv_quant)
         with torch.inference_mode():
             while True:
                 box = [None]
@@ -237,12 +236,22 @@ def worker_main(rank: int, world: int, addr: str, port: int, config: dict, state
         comm.shutdown()
 
 
+def _cache(cache_shape: tuple, dtype, device, kv_quant: dict, cls=KVCache) -> KVCache:
+    """A rank's cache: its heads, every block, and the quantized cache's settings (``kv_quant``: kv_cache_dtype,
+    scale_granularity, calculate_kv_scales). A quantized rank keeps its own heads' scales; per tensor, calibrated on
+    the amax over every rank's heads (an all-reduce, max), so each rank, and one engine, takes the same scale."""
+    cache = cls(*cache_shape, dtype=dtype, device=device, **kv_quant)
+    if kv_quant.get("calculate_kv_scales"):
+        cache.reduce_amax = lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return cache
+
+
 def worker_device(model_device, rank: int) -> str:
     """Rank r's device: GPU r on a CUDA machine (one GPU per rank, as vLLM places them), else the CPU."""
     return f"cuda:{rank}" if torch.device(model_device).type == "cuda" else "cpu"
 
 
-def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
+def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None, kv_quant: dict = None):
     """Start ranks 1 .. world-1, join rank 0 here; returns (TPModel, TPGroup). ``cache_shape`` is
     (layers, blocks, block_size, kv heads *per rank*, head dim)."""
     if torch.device(model.device).type == "cuda" and torch.cuda.device_count() < world:
@@ -254,7 +263,7 @@ def launch(model: GPT, world: int, cache_shape: tuple, timeout_s: float = None):
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     procs = [ctx.Process(target=worker_main, daemon=True, name=f"minibatch-tp-rank{r}",
                          args=(r, world, addr, port, config_to_dict(model.config), state, cache_shape,
-                               worker_device(model.device, r), timeout_s))
+                               worker_device(model.device, r), timeout_s, kv_quant or {}))
              for r in range(1, world)]
     for p in procs:
         p.start()
@@ -276,7 +285,9 @@ def start(model: GPT, engine_config, num_cache_blocks: int):
     check_tp_size(mc, world)                   # before any process starts
     _, num_kv_heads, _ = tp_head_layout(mc.n_head, mc.num_kv_heads, world)     # past Hkv: one, replicated
     shape = (mc.n_layer, num_cache_blocks, engine_config.block_size, num_kv_heads, mc.head_dim)
-    tp_model, group = launch(model, world, shape)
-    cache = TPKVCache(*shape, dtype=model.dtype, device=model.device)
+    kv_quant = {"kv_cache_dtype": engine_config.kv_cache_dtype, "scale_granularity": engine_config.scale_granularity,
+                "calculate_kv_scales": engine_config.calculate_kv_scales}
+    tp_model, group = launch(model, world, shape, kv_quant=kv_quant)
+    cache = _cache(shape, model.dtype, model.device, kv_quant, TPKVCache)
     cache.group = group
     return tp_model, cache, group

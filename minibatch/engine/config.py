@@ -134,12 +134,6 @@ class EngineConfig:
         if self.attention_backend is not None and self.attention_backend not in QUANTIZED_BACKENDS:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by the attention backends "
                              f"{list(QUANTIZED_BACKENDS)} only so far, not {self.attention_backend!r}")
-        for bad, what in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (the workers' head-split "
-                           "caches hold no scales yet)"),
-                          (self.disaggregated, "disaggregated=True (the KV transfer sends the blocks without "
-                           "their scales yet)")):
-            if bad:
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} cannot go with {what}")
 
     def _check_async(self) -> None:
         if not isinstance(self.async_scheduling, bool):

@@ -32,7 +32,7 @@ from minibatch.engine.scheduler import Scheduler
 from minibatch.engine.sequence import Request, Sequence, SequenceStatus
 from minibatch.engine.static_scheduler import StaticScheduler
 from minibatch.engine import threads
-from minibatch.distributed.kv_transfer import scatter_prompt
+from minibatch.distributed.kv_transfer import KVPayload, scatter_prompt
 from minibatch.kv.attention import default_backend
 from minibatch.kv.block_allocator import BlockAllocator
 from minibatch.kv.host_pool import HostBlockPool
@@ -175,10 +175,11 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def admit_prefilled(self, request_id: str, prompt: str, prompt_ids: list, first_token: int,
-                        params: SamplingParams, kv: torch.Tensor, arrival_time: float, first_token_time: float,
+                        params: SamplingParams, kv: KVPayload, arrival_time: float, first_token_time: float,
                         generator_state: Optional[torch.Tensor] = None) -> Optional[list]:
         """A request whose prompt was prefilled elsewhere (a disaggregated prefill instance, ``disagg/``) joins
-        the running batch with its first token, its prompt's K/V ``kv`` [L, 2, n, Hkv, D] written here into fresh
+        the running batch with its first token, its prompt's K/V ``kv`` (a ``KVPayload``: [L, 2, n, Hkv, D] and the
+        scales of a quantized cache) written here into fresh
         (or prefix-cached) blocks; a seeded request's generator goes on from ``generator_state``. Returns the
         request's block table; None: no room now (a seat or the blocks), try again after a step."""
         sched, alloc = self.scheduler, self.allocator

@@ -68,6 +68,9 @@ class KVCache:
             raise ValueError("calculate_kv_scales calibrates per-tensor scales: it needs a quantized kv_cache_dtype "
                              "and scale_granularity='per_tensor'")
         self._to_calibrate = set(range(num_layers)) if calculate_kv_scales else set()
+        # tensor parallelism (distributed/tp_engine.py) sets this to an all-reduce (max) over the ranks, so that
+        # every rank calibrates on the amax over all heads: the scale one engine would take, the same on each rank
+        self.reduce_amax = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,8 +112,19 @@ class KVCache:
         """calculate_kv_scales: the first batch a layer stores sets its scales, amax / max, and they never change
         again (vLLM's rule; the pitfall: a later, larger value clips)."""
         if layer in self._to_calibrate:
-            self.set_scales(layer, quant.calibrate_scale(key, self.kv_cache_dtype),
-                            quant.calibrate_scale(value, self.kv_cache_dtype))
+            amax = torch.stack([x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+                                for x in (key, value)])                      # [2]: K's and V's
+            if self.reduce_amax is not None:
+                self.reduce_amax(amax)
+            k_amax, v_amax = amax.tolist()
+            self.set_scales(layer, quant.scale_from_amax(k_amax, self.kv_cache_dtype),
+                            quant.scale_from_amax(v_amax, self.kv_cache_dtype))
+
+    def adopt_scales(self, scales: torch.Tensor) -> None:
+        """Per tensor: another cache's layer scales [num_layers, 2] (the disaggregated prefill instance's, with the
+        K/V it sends) taken for every layer this cache has not calibrated yet, so that both sides quantize alike."""
+        for layer in sorted(self._to_calibrate):
+            self.set_scales(layer, *scales[layer].tolist())
 
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, keys and values."""

@@ -172,7 +172,12 @@ def quantized_dtypes() -> tuple:
 def calibrate_scale(x: torch.Tensor, kv_cache_dtype: str) -> float:
     """A per-tensor scale from one batch: amax(|x|) / max, so the batch's largest value lands on the range's edge.
     All zeros give 1.0 (zeros are exact at any scale); a non-finite value in x is a ValueError."""
-    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    return scale_from_amax(float(x.detach().abs().max()) if x.numel() else 0.0, kv_cache_dtype)
+
+
+def scale_from_amax(amax: float, kv_cache_dtype: str) -> float:
+    """amax / max, 1.0 for an amax of 0; the one rule, for one batch (``calibrate_scale``) or for the largest
+    amax over tensor-parallel ranks (``KVCache.calibrate``)."""
     if not math.isfinite(amax):
         raise ValueError(f"calibrate_scale: the batch holds a non-finite value ({amax}); no scale fits it")
     return amax / max_representable(kv_cache_dtype) if amax > 0 else 1.0
