@@ -13,7 +13,8 @@ evicted thi"). Inputs cover the cases that broke layouts before: notebook 02's p
 run (long titles over a narrow pool), a 128-block pool with a 512-token budget
 over 86+ steps, many live rows, a pool wide enough for 32 columns,
 speculative runs, and token trees (a real EAGLE-2 run, and random trees of 16 and 32 drafts: the
-tree, its mask heat map, and the dashboard's tree panel); each at the default size and at the slide size.
+tree, its mask heat map, and the dashboard's tree panel), and a radix prefix cache's run (the dashboard's radix tree
+column); each at the default size and at the slide size.
 """
 import pathlib
 import sys
@@ -102,6 +103,7 @@ RUNS = {
     "speculative": random_run(9, num_seqs=6, num_blocks=40, k=4, output=(10, 30)),
     "eagle-tree": TraceRecorder.load(FIXTURES / "engine_eagle_tree.json").traces,
     "random-tree": random_run(13, num_seqs=6, num_blocks=60, k=16, output=(10, 30), tree=True),
+    "radix": TraceRecorder.load(FIXTURES / "engine_radix.json").traces,
 }
 TREE_RUNS = {"eagle-tree": RUNS["eagle-tree"], "random-tree": RUNS["random-tree"],
              "random-tree-32": random_run(17, num_seqs=3, num_blocks=60, k=32, budget=128, output=(20, 40),

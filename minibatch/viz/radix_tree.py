@@ -12,18 +12,18 @@ draws it left to right, the root at the left:
   hatched, as the pool's cached-free blocks.
 
 ``draw_radix_blocks(traces, step)`` puts it beside the pool and the block tables (``blocks.py``), so a block id in
-a box can be found in the pool. From the traces only, as every renderer: the drawing is what the trace recorded.
+a box can be found in the pool. From the traces only, as every renderer: the drawing is what the trace recorded. The dashboard (``draw_step``,
+so the widget and the animation) puts the tree in a column of its own; ``radix_boxes`` is the layout, which the
+live page (serve/live.py) is sent too, so every view places the nodes alike. matplotlib is imported only to draw:
+``radix_boxes`` loads without it.
 """
 from __future__ import annotations
 
-from matplotlib.patches import FancyBboxPatch, Patch
-
-from minibatch.viz.common import CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, as_traces, find_step, new_axes, style
+from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, as_traces, find_step, has_radix_tree,
+                                  new_axes, style)
 from minibatch.viz.tree_data import token_label
 
-
-def has_radix_tree(traces) -> bool:
-    return any(t.radix_nodes for t in as_traces(traces))
+__all__ = ["has_radix_tree", "radix_boxes", "legend_handles", "draw_radix_tree", "draw_radix_blocks"]
 
 
 def _text(tokens: list) -> str:
@@ -35,10 +35,23 @@ def _text(tokens: list) -> str:
     return "".join(out)
 
 
+def block_runs(blocks: list, most: int = 2) -> str:
+    """Block ids as runs, e.g. [4, 5, 6, 7, 9] -> '4-7,9'; past ``most`` runs an ellipsis."""
+    runs = []
+    for b in blocks:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    text = ",".join(f"{a}" if a == z else f"{a},{z}" if z == a + 1 else f"{a}-{z}" for a, z in runs[:most])
+    return text + ("…" if len(runs) > most else "")
+
+
 def radix_boxes(traces, step: int) -> list:
     """The tree after ``step`` as boxes to draw, from ``radix_nodes``: [{"id", "parent", "num_tokens", "text",
-    "blocks", "lock_ref", "evictable", "root", "depth", "row"}], parents first. ``row``: the leaves in order,
-    a parent at the middle of its children's rows."""
+    "blocks", "lock_ref", "evictable", "root", "depth", "row", "label"}], parents first. ``row``: the leaves in
+    order, a parent at the middle of its children's rows; ``label``: the lines a box shows (its first tokens, how
+    many, its blocks, its lock_ref)."""
     t = find_step(as_traces(traces), step)
     boxes = {}
     for node_id, parent, n, first, blocks, lock_ref, evictable in t.radix_nodes:
@@ -61,18 +74,28 @@ def radix_boxes(traces, step: int) -> list:
     for b in boxes.values():
         if b["root"]:
             place(b)
+        b["label"] = "root" if b["root"] else \
+            f"{b['text']}\n{b['num_tokens']} tok\nblocks {block_runs(b['blocks'])}\nlock_ref {b['lock_ref']}"
     return [{k: v for k, v in b.items() if k != "children"} for b in boxes.values()]
 
 
+def radix_title(boxes) -> str:
+    n, e = len(boxes) - 1, sum(b["evictable"] for b in boxes)
+    return (f"radix tree: {n} node{'s' * (n != 1)}, {sum(len(b['blocks']) for b in boxes)} blocks,\n"
+            f"{e} evictable lea{'ves' if e != 1 else 'f'}")
+
+
 def legend_handles() -> list:
+    from matplotlib.patches import Patch
     return [Patch(facecolor=FREE_COLOR, edgecolor="black", linewidth=2.2, label="locked node (lock_ref > 0)"),
             Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="unlocked inner node"),
             Patch(facecolor=CACHED_FREE_COLOR, edgecolor=EDGE_COLOR, hatch="//", label="evictable leaf (evict's next)")]
 
 
 def draw_radix_tree(traces, step: int, ax=None) -> dict:
-    """Draw the radix tree after ``step``. Returns {"ax", "boxes": radix_boxes + "patch" and "label" (the text
-    drawn in it), "legend": [handles]}."""
+    """Draw the radix tree after ``step``. Returns {"ax", "boxes": radix_boxes, each with the "patch" drawn
+    (its ``label`` is the text in it), "legend": [handles]}."""
+    from matplotlib.patches import FancyBboxPatch
     traces = as_traces(traces)
     t = find_step(traces, step)
     if not t.radix_nodes:
@@ -92,18 +115,13 @@ def draw_radix_tree(traces, step: int, ax=None) -> dict:
             (x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02", zorder=2,
             facecolor=CACHED_FREE_COLOR if b["evictable"] else FREE_COLOR, hatch="//" if b["evictable"] else None,
             edgecolor="black" if locked else EDGE_COLOR, linewidth=2.2 if locked else 0.8))
-        blocks = ",".join(map(str, b["blocks"][:4])) + ("…" if len(b["blocks"]) > 4 else "")
-        b["label"] = ("root" if b["root"] else
-                      f"{b['text']}\n{b['num_tokens']} tok · blocks {blocks}\nlock_ref {b['lock_ref']}")
         ax.text(x, y, b["label"], ha="center", va="center", fontsize=st.small, zorder=3, family="monospace")
     depth = max(b["depth"] for b in boxes)
     rows = max(b["row"] for b in boxes)
     ax.set_xlim(-0.55, depth + 0.55)
     ax.set_ylim(rows + 0.55, -0.55)
     ax.set_axis_off()
-    n = len(boxes) - 1
-    ax.set_title(f"radix tree: {n} nodes, {sum(len(b['blocks']) for b in boxes)} blocks, "
-                 f"{sum(b['evictable'] for b in boxes)} evictable leaves", fontsize=st.font, loc="left")
+    ax.set_title(radix_title(boxes), fontsize=st.font, loc="left")
     return {"ax": ax, "boxes": boxes, "legend": legend_handles()}
 
 
