@@ -111,9 +111,10 @@ def test_the_live_page_draws_the_radix_tree():
             if len(last["running"]) == 3 and not last["waiting"]:
                 break
             time.sleep(0.01)
-        gate = threading.Event()
-        frozen = srv.engine_loop.call(lambda engine: gate.wait(60))      # the engine stops between two steps
+        gate, stopped = threading.Event(), threading.Event()
+        frozen = srv.engine_loop.call(lambda engine: (stopped.set(), gate.wait(60)))   # stops between two steps
         try:
+            assert stopped.wait(30)                                       # now the last step fed stays the last
             frozen_at = json.loads(feed.backlog()[-1])
             dom = chromium(srv.url + "/", "--dump-dom").stdout
         finally:
