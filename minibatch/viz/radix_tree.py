@@ -51,7 +51,7 @@ def radix_boxes(traces, step: int) -> list:
     """The tree after ``step`` as boxes to draw, from ``radix_nodes``: [{"id", "parent", "num_tokens", "text",
     "blocks", "lock_ref", "evictable", "root", "depth", "row", "label"}], parents first. ``row``: the leaves in
     order, a parent at the middle of its children's rows; ``label``: the lines a box shows (its first tokens, how
-    many, its blocks, its lock_ref)."""
+    many, its blocks in brackets, its lock_ref)."""
     t = find_step(as_traces(traces), step)
     boxes = {}
     for node_id, parent, n, first, blocks, lock_ref, evictable in t.radix_nodes:
@@ -75,7 +75,7 @@ def radix_boxes(traces, step: int) -> list:
         if b["root"]:
             place(b)
         b["label"] = "root" if b["root"] else \
-            f"{b['text']}\n{b['num_tokens']} tok\nblocks {block_runs(b['blocks'])}\nlock_ref {b['lock_ref']}"
+            f"{b['text']}\n{b['num_tokens']} tok\n[{block_runs(b['blocks'])}]\nlock_ref {b['lock_ref']}"
     return [{k: v for k, v in b.items() if k != "children"} for b in boxes.values()]
 
 
@@ -92,9 +92,33 @@ def legend_handles() -> list:
             Patch(facecolor=CACHED_FREE_COLOR, edgecolor=EDGE_COLOR, hatch="//", label="evictable leaf (evict's next)")]
 
 
+# A box's text, longest first: its label; its size, blocks and lock count, shorter; its lock count alone.
+LABELS = [lambda b: b["label"],
+          lambda b: "root" if b["root"] else f"{b['num_tokens']} tok\n[{block_runs(b['blocks'], 1)}]\nlock {b['lock_ref']}",
+          lambda b: "" if b["root"] else str(b["lock_ref"])]
+LABEL_KEYS = ["", "; lock: lock_ref", "; in a box: its lock_ref"]     # what the title adds, to read them
+
+
+def _fits(ax, width: float, height: float):
+    """A test of whether a label fits a box ``width`` x ``height`` of ``ax``'s extent, at the preset's small font.
+    The extent is the one the figure's layout engine gives it now (a legend or title added later takes some
+    height: 10 % of it is kept in hand)."""
+    fig = ax.figure
+    if fig.get_layout_engine() is not None:
+        fig.get_layout_engine().execute(fig)
+    box, px = ax.get_window_extent(), style().small * fig.dpi / 72
+    room_w, room_h = box.width * width, 0.9 * box.height * height
+
+    def fits(label: str) -> bool:
+        lines = label.split("\n")
+        return max(map(len, lines)) * 0.62 * px <= room_w and len(lines) * 1.3 * px <= room_h   # monospace
+    return fits
+
+
 def draw_radix_tree(traces, step: int, ax=None) -> dict:
-    """Draw the radix tree after ``step``. Returns {"ax", "boxes": radix_boxes, each with the "patch" drawn
-    (its ``label`` is the text in it), "legend": [handles]}."""
+    """Draw the radix tree after ``step``. Returns {"ax", "boxes": radix_boxes, each with the "patch" drawn and
+    the text "shown" in it (its ``label``, or, where some label would not fit its box, the next of ``LABELS``
+    that every box fits, or nothing), "legend": [handles]}."""
     from matplotlib.patches import FancyBboxPatch
     traces = as_traces(traces)
     t = find_step(traces, step)
@@ -105,6 +129,11 @@ def draw_radix_tree(traces, step: int, ax=None) -> dict:
     ax = new_axes(ax, (7, 4))
     where = {b["id"]: b for b in boxes}
     w, h = 0.86, 0.8
+    depth, rows = max(b["depth"] for b in boxes), max(b["row"] for b in boxes)
+    ax.set_axis_off()                                     # before measuring: no tick labels take room
+    fits = _fits(ax, w / (depth + 1.1), h / (rows + 1.1))
+    # the longest labels every box fits (a long decode grows a chain of one-page nodes: narrow boxes)
+    level = next((i for i, shown in enumerate(LABELS) if all(fits(shown(b)) for b in boxes)), len(LABELS))
     for b in boxes:
         x, y = b["depth"], b["row"]
         if not b["root"]:
@@ -115,13 +144,12 @@ def draw_radix_tree(traces, step: int, ax=None) -> dict:
             (x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02", zorder=2,
             facecolor=CACHED_FREE_COLOR if b["evictable"] else FREE_COLOR, hatch="//" if b["evictable"] else None,
             edgecolor="black" if locked else EDGE_COLOR, linewidth=2.2 if locked else 0.8))
-        ax.text(x, y, b["label"], ha="center", va="center", fontsize=st.small, zorder=3, family="monospace")
-    depth = max(b["depth"] for b in boxes)
-    rows = max(b["row"] for b in boxes)
+        b["shown"] = LABELS[level](b) if level < len(LABELS) else ""
+        if b["shown"]:
+            ax.text(x, y, b["shown"], ha="center", va="center", fontsize=st.small, zorder=3, family="monospace")
     ax.set_xlim(-0.55, depth + 0.55)
     ax.set_ylim(rows + 0.55, -0.55)
-    ax.set_axis_off()
-    ax.set_title(radix_title(boxes), fontsize=st.font, loc="left")
+    ax.set_title(radix_title(boxes) + LABEL_KEYS[min(level, len(LABELS) - 1)], fontsize=st.font, loc="left")
     return {"ax": ax, "boxes": boxes, "legend": legend_handles()}
 
 
