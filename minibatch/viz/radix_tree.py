@@ -12,10 +12,10 @@ draws it left to right, the root at the left:
   hatched, as the pool's cached-free blocks.
 
 ``draw_radix_blocks(traces, step)`` puts it beside the pool and the block tables (``blocks.py``), so a block id in
-a box can be found in the pool. From the traces only, as every renderer: the drawing is what the trace recorded. The dashboard (``draw_step``,
-so the widget and the animation) puts the tree in a column of its own; ``radix_boxes`` is the layout, which the
-live page (serve/live.py) is sent too, so every view places the nodes alike. matplotlib is imported only to draw:
-``radix_boxes`` loads without it.
+a box can be found in the pool. From the traces only, as every renderer: the drawing is what the trace recorded.
+The dashboard (``draw_step``, so the widget and the animation) puts the tree in a column of its own;
+``radix_boxes`` is the layout, which the live page (serve/live.py) is sent too, so every view places the nodes
+alike. matplotlib is imported only to draw: ``radix_boxes`` loads without it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from minibatch.viz.common import (CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, as_
                                   new_axes, style)
 from minibatch.viz.tree_data import token_label
 
-__all__ = ["has_radix_tree", "radix_boxes", "legend_handles", "draw_radix_tree", "draw_radix_blocks"]
+__all__ = ["has_radix_tree", "block_runs", "radix_boxes", "radix_title", "legend_handles", "draw_radix_tree",
+           "draw_radix_blocks"]
 
 
 def _text(tokens: list) -> str:
@@ -94,7 +95,8 @@ def legend_handles() -> list:
 
 # A box's text, longest first: its label; its size, blocks and lock count, shorter; its lock count alone.
 LABELS = [lambda b: b["label"],
-          lambda b: "root" if b["root"] else f"{b['num_tokens']} tok\n[{block_runs(b['blocks'], 1)}]\nlock {b['lock_ref']}",
+          lambda b: "root" if b["root"] else
+          f"{b['num_tokens']} tok\n[{block_runs(b['blocks'], 1)}]\nlock {b['lock_ref']}",
           lambda b: "" if b["root"] else str(b["lock_ref"])]
 LABEL_KEYS = ["", "; lock: lock_ref", "; in a box: its lock_ref"]     # what the title adds, to read them
 
@@ -130,7 +132,8 @@ def draw_radix_tree(traces, step: int, ax=None) -> dict:
     where = {b["id"]: b for b in boxes}
     w, h = 0.86, 0.8
     depth, rows = max(b["depth"] for b in boxes), max(b["row"] for b in boxes)
-    ax.set_axis_off()                                     # before measuring: no tick labels take room
+    ax.set_axis_off()                                     # before measuring: no tick labels take room, the title
+    ax.set_title(radix_title(boxes), fontsize=st.font, loc="left")      # does (a few words more come after)
     fits = _fits(ax, w / (depth + 1.1), h / (rows + 1.1))
     # the longest labels every box fits (a long decode grows a chain of one-page nodes: narrow boxes)
     level = next((i for i, shown in enumerate(LABELS) if all(fits(shown(b)) for b in boxes)), len(LABELS))
