@@ -1,6 +1,9 @@
 """The radix tree in the trace and its view (issue 44's views): ``StepTrace.radix_nodes`` is the allocator's tree
 after each step, and ``viz/radix_tree.py`` draws it from the trace alone: a box per node with its tokens, blocks and
-lock_ref, locked nodes framed, evictable leaves grey and hatched."""
+lock_ref, locked nodes framed, evictable leaves grey and hatched; the dashboard, so the step-through widget, shows
+it in a column of its own."""
+import pathlib
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -8,12 +11,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
+from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 from minibatch.llm import LLM  # noqa: E402
 from minibatch.sampling.sampler import SamplingParams  # noqa: E402
 from minibatch.trace import TraceRecorder  # noqa: E402
 from minibatch.viz.common import CACHED_FREE_COLOR  # noqa: E402
-from minibatch.viz.radix_tree import draw_radix_blocks, draw_radix_tree, radix_boxes  # noqa: E402
+from minibatch.viz.dashboard import draw_step  # noqa: E402
+from minibatch.viz.radix_tree import draw_radix_blocks, draw_radix_tree, radix_boxes, radix_title  # noqa: E402
+from minibatch.viz.widget import step_through  # noqa: E402
 
 STEM = "import os\nimport sys\n# a shared header\n"          # 38 bytes: 4 full blocks of 8
 PROMPTS = [STEM + "def f(x):\n    return x\n", STEM + "class A:\n    pass\n", "print('no shared prefix here')\n"]
@@ -73,3 +79,38 @@ def test_the_hash_chain_records_no_tree(target_model, tmp_path):
     assert all(t.radix_nodes == [] for t in traces)
     with pytest.raises(ValueError, match="prefix_cache='radix'"):
         draw_radix_tree(traces, traces[0].step)
+
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "engine_radix.json"   # tests/fixtures/record_engine_traces.py
+
+
+def _radix_panel(fig):
+    """The dashboard's radix tree panel in ``fig``: (its Axes, its boxes), or None."""
+    axes = [ax for ax in fig.axes if ax.get_title(loc="left").startswith("radix tree")]
+    assert len(axes) <= 1
+    if not axes:
+        return None
+    return axes[0], [p for p in axes[0].patches if isinstance(p, FancyBboxPatch)]
+
+
+def test_the_widget_shows_the_radix_tree_beside_the_block_tables_at_each_step():
+    traces = TraceRecorder.load(FIXTURE).traces
+    w = step_through(traces, dpi=30, static_html=False)
+    seen = set()
+    for t in traces[::4]:                                              # steps 0, 4, 8 (a redraw each)
+        w.step(t.step)
+        assert w.current_step == t.step
+        ax, patches = _radix_panel(w.figure)
+        assert ax.get_title(loc="left") == radix_title(radix_boxes(traces, t.step))
+        assert len(patches) == len(t.radix_nodes)                       # a box a node, the root's too
+        rows = t.radix_nodes[1:]
+        evictable = [p for p in patches if p.get_hatch()]
+        locked = [p for p in patches if p.get_linewidth() > 2]
+        assert len(evictable) == sum(r[6] for r in rows) and len(locked) == sum(r[5] > 0 for r in rows)
+        seen |= {("locked", bool(locked)), ("evictable", bool(evictable))}
+        texts = " ".join(x.get_text() for x in ax.texts)
+        assert all(f"lock_ref {r[5]}" in texts and f"{r[2]} tok" in texts for r in rows)
+    assert {("locked", True), ("evictable", True)} <= seen             # the fixture shows both marks
+    plain = TraceRecorder.load(FIXTURE.with_name("engine_continuous.json")).traces    # the hash chain: no panel
+    w = step_through(plain, dpi=30, static_html=False)
+    assert _radix_panel(w.figure) is None and draw_step(plain, plain[1].step)["radix_tree"] is None

@@ -4,6 +4,7 @@ To catch a busy moment rather than the end, the test freezes the engine
 mid-run (a call on the engine thread that waits), renders the page, then lets
 it go. Set MINIBATCH_LIVE_SCREENSHOT=path.png to keep the screenshot.
 """
+import json
 import os
 import re
 import shutil
@@ -88,3 +89,47 @@ def test_the_live_page_draws_the_timeline_and_the_pool(tmp_path):
     assert pixels[rgb(PHASE_COLORS["decode"])] > 3000, "decode cells, in the matplotlib views' green"
     assert pixels[rgb(PHASE_COLORS["prefill"])] > 30, "a prefill cell, in their blue"
     assert sum(pixels[rgb(c)] > 100 for c in SEQ_PALETTE) >= 3, "rows and blocks in the sequences' colours"
+
+
+def test_the_live_page_draws_the_radix_tree():
+    """serve --prefix-cache radix: the page draws the tree the last step recorded, a box per node, the locked
+    ones (running requests' paths) framed, the evictable leaves (a finished request's tail) hatched."""
+    stem = "import os\nimport sys\n# a shared header\n"                  # 38 bytes: 4 full blocks of 8
+    llm = LLM("target", device="cpu", block_size=8, num_gpu_blocks=64, max_num_seqs=4, prefix_cache="radix")
+    with ServerThread(llm) as srv:
+        post = lambda prompt, n: httpx.post(srv.url + "/v1/completions", timeout=120, json={  # noqa: E731
+            "prompt": prompt, "max_tokens": n, "temperature": 0})
+        assert post("print('no shared prefix here')\n", 2).status_code == 200    # done: its leaf is evictable
+        done = []
+        threads = [threading.Thread(target=lambda i=i: done.append(post(stem + f"def f{i}(x):\n", 200).status_code))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        feed, deadline = srv.app.state.feed, time.monotonic() + 60
+        while time.monotonic() < deadline:                                # until all three run on the stem
+            last = json.loads(feed.backlog()[-1])
+            if len(last["running"]) == 3 and not last["waiting"]:
+                break
+            time.sleep(0.01)
+        gate, stopped = threading.Event(), threading.Event()
+        frozen = srv.engine_loop.call(lambda engine: (stopped.set(), gate.wait(60)))   # stops between two steps
+        try:
+            assert stopped.wait(30)                                       # now the last step fed stays the last
+            frozen_at = json.loads(feed.backlog()[-1])
+            dom = chromium(srv.url + "/", "--dump-dom").stdout
+        finally:
+            gate.set()
+        frozen.result(10)
+        for t in threads:
+            t.join(120)
+        assert done == [200] * 3
+    rows = frozen_at["radix_nodes"][1:]
+    assert len(frozen_at["running"]) == 3 and rows, frozen_at["running"]
+    tree = svg(dom, "radix")
+    nodes = re.findall(r'<rect class="node([\w ]*)"', tree)
+    assert len(nodes) == len(rows) + 1                                    # a box a node, and the root
+    locked, evictable = sum("locked" in c for c in nodes), sum("evictable" in c for c in nodes)
+    assert locked == sum(r[5] > 0 for r in rows) >= 1 and evictable == sum(r[6] for r in rows) >= 1
+    for n in {r[5] for r in rows}:
+        assert tree.count(f">lock_ref {n}<") == sum(r[5] == n for r in rows)
+    assert f"radix tree: {len(rows)} node" in dom

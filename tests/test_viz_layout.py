@@ -13,8 +13,10 @@ evicted thi"). Inputs cover the cases that broke layouts before: notebook 02's p
 run (long titles over a narrow pool), a 128-block pool with a 512-token budget
 over 86+ steps, many live rows, a pool wide enough for 32 columns,
 speculative runs, and token trees (a real EAGLE-2 run, and random trees of 16 and 32 drafts: the
-tree, its mask heat map, and the dashboard's tree panel); each at the default size and at the slide size.
+tree, its mask heat map, and the dashboard's tree panel), and a radix prefix cache's run (the dashboard's radix tree
+column), shallow and deep; each at the default size and at the slide size.
 """
+import dataclasses
 import pathlib
 import sys
 
@@ -90,6 +92,15 @@ def nb02_run():
     return TraceRecorder.load(FIXTURES / "engine_prefix_sharing.json").traces
 
 
+def radix_chain():
+    """A radix step whose tree is deep, as a long decode grows it (a one-page node per block): the boxes get too
+    small for their labels (so they show their lock counts alone)."""
+    def deeper(t):
+        chain = [[100 + i, t.radix_nodes[-2][0] if i == 0 else 99 + i, 8, [32] * 8, [i], 1, False] for i in range(20)]
+        return dataclasses.replace(t, radix_nodes=t.radix_nodes + chain)
+    return [deeper(t) for t in TraceRecorder.load(FIXTURES / "engine_radix.json").traces]
+
+
 RUNS = {
     "synthetic": continuous_traces(),
     "static": static_traces(),
@@ -102,6 +113,8 @@ RUNS = {
     "speculative": random_run(9, num_seqs=6, num_blocks=40, k=4, output=(10, 30)),
     "eagle-tree": TraceRecorder.load(FIXTURES / "engine_eagle_tree.json").traces,
     "random-tree": random_run(13, num_seqs=6, num_blocks=60, k=16, output=(10, 30), tree=True),
+    "radix": TraceRecorder.load(FIXTURES / "engine_radix.json").traces,
+    "radix-chain": radix_chain(),
 }
 TREE_RUNS = {"eagle-tree": RUNS["eagle-tree"], "random-tree": RUNS["random-tree"],
              "random-tree-32": random_run(17, num_seqs=3, num_blocks=60, k=32, budget=128, output=(20, 40),

@@ -7,7 +7,7 @@
     POST /tokenize         vLLM's: {"prompt"} -> {"tokens", "count", "max_model_len"} (bytes: a token per byte)
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
     GET  /tokenizer_info   vLLM's: the special tokens (a byte model has none); lm-eval's "remote" tokenizer
-    GET  /                 the live view: batch timeline and block pool, drawn from StepTraces
+    GET  /                 the live view: batch timeline, block pool (and radix tree), drawn from StepTraces
     GET  /live/events      those StepTraces, as server-sent events (?after=STEP: only later steps)
 
 Handlers never touch the engine: they hand prompts to the engine core, in a

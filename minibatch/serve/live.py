@@ -1,9 +1,10 @@
 """The live view's data: every ``StepTrace``, as JSON, to every open page (server-sent events).
 
-The page at ``/`` draws the batch timeline and the block pool from the same
-trace data the matplotlib views read (``trace.to_dict()``), with the same
-colours (``minibatch.viz.common``, written into the page when it is served),
-so what the lecturer projects is the lecture's figures, live.
+The page at ``/`` draws the batch timeline, the block pool and, for a radix
+cache (``serve --prefix-cache radix``), the radix tree from the same trace data
+the matplotlib views read (``trace.to_dict()``), with the same colours
+(``minibatch.viz.common``, written into the page when it is served), so what
+the lecturer projects is the lecture's figures, live.
 
 The feed is a hook on the engine thread (or, with the engine core in its own
 process, on the thread that receives the core's outputs): it serialises the
@@ -31,15 +32,21 @@ from collections import deque
 
 from minibatch.viz.common import CACHED_FREE_COLOR, EDGE_COLOR, FREE_COLOR, PHASE_COLORS, PHASE_LABELS, SPEC_REJECTED_COLOR
 from minibatch.viz.palette import SEQ_PALETTE, SEQ_PALETTE_LARGE
+from minibatch.viz.radix_tree import radix_boxes, radix_title
 
 STATIC = pathlib.Path(__file__).parent / "static"
 _CLOSE = None
 
 
 def trace_json(trace) -> str:
-    """``json.dumps(trace.to_dict())``, the same text, without asdict's deep copy (its lists are read in place)."""
+    """``json.dumps(trace.to_dict())``, the same text, without asdict's deep copy (its lists are read in place);
+    a radix run's trace also carries ``radix_boxes`` and ``radix_title``, the tree laid out and named as the
+    matplotlib view does it (viz/radix_tree.py: depth, row, label), so the page draws boxes, never places them."""
     d = dict(vars(trace))
     d["scheduled"] = [vars(s) for s in trace.scheduled]
+    if trace.radix_nodes:
+        d["radix_boxes"] = radix_boxes(trace, trace.step)
+        d["radix_title"] = radix_title(d["radix_boxes"])
     return json.dumps(d, separators=(",", ":"))
 
 

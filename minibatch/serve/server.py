@@ -35,7 +35,9 @@ import time
 from typing import Optional
 
 from minibatch.engine import memory_hierarchy
+from minibatch.engine.request_queue import POLICIES
 from minibatch.kv import quant
+from minibatch.kv.radix_allocator import PREFIX_CACHES
 
 ENGINE_DEATH_GRACE_S = 2.0      # after the engine core dies, seconds of 503s before `serve` exits (status 1)
 
@@ -51,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="hash",
+                   help="the prefix cache: vLLM's hash chain, or SGLang's radix tree (the live view draws it)")
+    p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="the waiting queue's order (lpm, dfs-weight: SGLang's cache-aware orders)")
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
     p.add_argument("--attention-backend", default=None,
                    help="cpu, batched, loop (the teaching version) or triton (default: cpu on a CPU where it builds, "
@@ -93,6 +99,8 @@ def make_llm(args):
                enforce_eager=getattr(args, "enforce_eager", False),
                cuda_graph_mode=getattr(args, "cuda_graph_mode", "auto"),
                async_scheduling=getattr(args, "async_scheduling", False),
+               prefix_cache=getattr(args, "prefix_cache", "hash"),
+               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                **memory_hierarchy.config_kwargs(args), **quant.config_kwargs(args))
 
 

@@ -3,7 +3,7 @@
 Everything here reads ``StepTrace`` data only (``minibatch.trace``): record a
 run with ``rec = TraceRecorder(); engine.add_hook(rec)``, then
 
-    draw_step(rec, step)          the dashboard of one step (what a slide shows)
+    draw_step(rec, step)          the dashboard of one step (what a slide shows; the widgets and animations too)
     draw_timeline(rec)            batch membership: steps x sequences, cells by phase
     draw_lanes(rec)               the CPU lane and the model lane on the wall clock (async overlaps them)
     draw_blocks(rec, step)        the physical block pool + every sequence's block table
@@ -37,7 +37,7 @@ and notebooks can check it. The rooms, one idea each:
     radix_tree draw_radix_tree, draw_radix_blocks: the radix cache
 """
 # name -> the module that defines it; imported on first use, so the matplotlib-free modules (common, text,
-# tree_data; tree until it draws) load without matplotlib and `import minibatch.viz` stays cheap.
+# tree_data; tree and radix_tree until they draw) load without matplotlib and `import minibatch.viz` stays cheap.
 _WHERE = {
     **dict.fromkeys(['WriterUnavailableError', 'animate', 'busiest_step', 'frame_steps', 'save', 'to_html'], 'anim'),
     **dict.fromkeys(['block_owners', 'block_state', 'draw_block_tables', 'draw_blocks'], 'blocks'),

@@ -73,7 +73,7 @@ PRESETS = {
     "slide": Preset("slide", (19.2, 10.8), 100, 16, 13.5, 18),
 }
 DASHBOARD_SIZE = (13, 7.5)       # the dashboard at the default preset
-DASHBOARD_TREE_SIZE = (16, 7.5)  # ... of a run with token trees: a third column, the tree
+DASHBOARD_TREE_SIZE = (16, 7.5)  # ... of a run with token trees or a radix tree: a third column, the tree
 _current = [PRESETS["default"]]
 
 
@@ -116,9 +116,15 @@ def has_trees(traces) -> bool:
     return any(s.draft_parents for t in as_traces(traces) for s in t.scheduled)
 
 
+def has_radix_tree(traces) -> bool:
+    """Was ``traces`` recorded with ``prefix_cache="radix"``? (Then the dashboard has a radix tree column.)"""
+    return any(t.radix_nodes for t in as_traces(traces))
+
+
 def dashboard_size(traces=None) -> tuple:
-    """The dashboard's size at the default preset: wider for a run with token trees."""
-    return DASHBOARD_TREE_SIZE if traces is not None and has_trees(traces) else DASHBOARD_SIZE
+    """The dashboard's size at the default preset: wider for a run with token trees or a radix tree."""
+    wide = traces is not None and (has_trees(traces) or has_radix_tree(traces))
+    return DASHBOARD_TREE_SIZE if wide else DASHBOARD_SIZE
 
 
 def figsize_for(own: tuple) -> tuple:

@@ -4,7 +4,11 @@
     live(engine)           a "Step" button that calls engine.step() once per click
 
 Both redraw the ``draw_step`` dashboard into an ``ipywidgets.Image`` as PNG
-bytes. An Image (rather than ``display(fig)`` inside an Output) works with any
+bytes, so they show what it shows for the run: the timeline, the block pool and
+tables, and the panels the run has (``draw_step`` decides from the traces: the
+host pool beside the device's, the token tree of a tree-verifying run, the radix
+tree of a ``prefix_cache="radix"`` run beside the block tables, the CPU and model
+lanes of an asynchronous one). An Image (rather than ``display(fig)`` inside an Output) works with any
 matplotlib backend, does not flicker, and can be checked without a browser:
 the returned VBox carries ``.slider``, ``.image``, ``.step(n)``, ``.next()``,
 ``.prev()``, ``.current_step`` and ``.redraws``, so a test (or a lecture
