@@ -9,7 +9,7 @@ validation split, the windows ``train.evaluate`` draws):
   (backend "batched"), as the engine's model runner does, so every chunk after the first attends to the
   quantized blocks the earlier ones stored (``kv/quant.py``); the byte tokenizer makes nats / ln 2 per token bpb;
 * next-token KL(fp32 cache || this cache) at the same positions, in nats;
-* greedy agreement: the bench's held-out prompts (``head_acceptance.prompts``: 160 bytes each) decoded greedily
+* greedy agreement: held-out prompts (``held_out_prompts``: 160 bytes each) decoded greedily
   through the same cache, prefill then one token a step; how many are identical to the fp32 cache's, and the
   median first divergence (the index of the first differing new token) of the rest;
 * K's outlier channels, per layer: each channel's (KV head, dim) amax of K over the held-out windows, as stored
@@ -30,11 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minibatch.bench.head_acceptance import prompts as held_out_prompts
 from minibatch.kv.attention import PagedAttention
 from minibatch.kv.kv_cache import KVCache
 from minibatch.kv.metadata import AttentionMetadata
-from minibatch.model.data import load_corpus
+from minibatch.model.data import load_corpus, val_documents
 from minibatch.model.tokenizer import encode
 from minibatch.model.training import sample_windows
 from minibatch.model.weights import load_model
@@ -107,6 +106,13 @@ def greedy(model, mode, ps: list, max_tokens: int) -> list:
         out.append(tok)
         ctx = [c + 1 for c in ctx]
     return torch.stack(out, 1).tolist()
+
+
+def held_out_prompts(n: int, length: int = 160) -> list:
+    """n prompts of ``length`` bytes from the held-out files (``head_acceptance``'s: min_len 600, seed 11); the
+    split has fewer such files than 64, so prompt i starts at byte length * (i // files) of file i % files."""
+    docs = val_documents(n, min_len=600, seed=11)
+    return [docs[i % len(docs)][length * (i // len(docs)):][:length] for i in range(n)]
 
 
 def first_divergence(a: list, b: list):
