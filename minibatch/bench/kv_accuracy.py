@@ -11,7 +11,8 @@ validation split, the windows ``train.evaluate`` draws):
 * next-token KL(fp32 cache || this cache) at the same positions, in nats;
 * greedy agreement: held-out prompts (``held_out_prompts``: 160 bytes each) decoded greedily
   through the same cache, prefill then one token a step; how many are identical to the fp32 cache's, and the
-  median first divergence (the index of the first differing new token) of the rest;
+  median first divergence (the index of the first differing new token) of the rest, and how near a tie the fp32
+  run was there (its top logit's margin over the runner-up: a flip at a near tie is rounding, not garbage);
 * K's outlier channels, per layer: each channel's (KV head, dim) amax of K over the held-out windows, as stored
   (after RoPE, for the Llama), and the top channels' ratio to the median channel: a per-tensor or per-(token,
   head) scale is set by the few large channels, so the many small ones get few steps; KIVI (Liu et al. 2024,
@@ -92,20 +93,24 @@ def chunked_logits(model, mode, x: torch.Tensor, chunk: int, record=None) -> tor
 
 
 @torch.no_grad()
-def greedy(model, mode, ps: list, max_tokens: int) -> list:
-    """Each prompt's max_tokens greedy tokens: the prompts prefilled together, then one decode step a token."""
+def greedy(model, mode, ps: list, max_tokens: int) -> tuple:
+    """Each prompt's max_tokens greedy tokens, the prompts prefilled together, then one decode step a token;
+    and at each token the margin of the top logit over the runner-up (nats: how near a tie the choice was)."""
     ids = [encode(p) for p in ps]
     cache, tables = make_cache(model, mode, len(ids), max(map(len, ids)) + max_tokens)
     md = AttentionMetadata.build(tables, [0] * len(ids), [len(t) for t in ids], BLOCK_SIZE)
     last = torch.tensor([len(t) for t in ids]).cumsum(0) - 1
-    tok = model(torch.tensor([t for s in ids for t in s]), md.positions, _Attention(cache, md), last).argmax(-1)
-    out, ctx = [tok], [len(t) for t in ids]
-    for _ in range(max_tokens - 1):
-        md = AttentionMetadata.build(tables, ctx, [1] * len(ids), BLOCK_SIZE)
-        tok = model(tok, md.positions, _Attention(cache, md)).argmax(-1)
-        out.append(tok)
-        ctx = [c + 1 for c in ctx]
-    return torch.stack(out, 1).tolist()
+    logits = model(torch.tensor([t for s in ids for t in s]), md.positions, _Attention(cache, md), last)
+    toks, margins, ctx = [], [], [len(t) for t in ids]
+    for step in range(max_tokens):
+        if step:
+            md = AttentionMetadata.build(tables, ctx, [1] * len(ids), BLOCK_SIZE)
+            logits = model(toks[-1], md.positions, _Attention(cache, md))
+            ctx = [c + 1 for c in ctx]
+        top2 = logits.float().topk(2, -1).values                       # [B, 2]
+        toks.append(logits.argmax(-1))
+        margins.append(top2[:, 0] - top2[:, 1])
+    return torch.stack(toks, 1).tolist(), torch.stack(margins, 1)      # [B][max_tokens], [B, max_tokens]
 
 
 def held_out_prompts(n: int, length: int = 160) -> list:
@@ -141,15 +146,18 @@ def measure(name: str, size: dict, seed: int = 1234) -> dict:
         logp = F.log_softmax(logits.float(), -1).flatten(0, 1)                     # [B * S, V]
         nll = F.nll_loss(logp, y.reshape(-1), reduction="sum").item()
         if not rows:
-            ref_logp, ref_runs = logp, greedy(model, mode, ps, size["max_tokens"])
+            ref_logp, (ref_runs, ref_margins) = logp, greedy(model, mode, ps, size["max_tokens"])
             runs = ref_runs
         else:
-            runs = greedy(model, mode, ps, size["max_tokens"])
+            runs, _ = greedy(model, mode, ps, size["max_tokens"])
         kl = F.kl_div(logp, ref_logp, log_target=True, reduction="batchmean").item()   # KL(ref || this)
         div = [first_divergence(a, b) for a, b in zip(ref_runs, runs)]
         rest = [d for d in div if d is not None]
+        tie = [float(ref_margins[b, d]) for b, d in enumerate(div) if d is not None]   # the fp32 run's margin there
         rows[mode[0]] = {"bpb": nll / y.numel() / math.log(2), "kl": kl, "identical": div.count(None),
-                         "prompts": len(div), "median_divergence": statistics.median(rest) if rest else None}
+                         "prompts": len(div), "median_divergence": statistics.median(rest) if rest else None,
+                         "median_margin_there": statistics.median(tie) if tie else None}
+    rows["fp32 (model)"]["median_margin"] = float(ref_margins.median())
     return {"modes": rows, "k_outliers": k_outliers(record)}
 
 
@@ -157,11 +165,15 @@ def print_table(name: str, res: dict, size: dict) -> None:
     ref = res["modes"]["fp32 (model)"]["bpb"]
     print(f"\n{name}: {size['windows']} held-out windows x {size['seq']} bytes, prefilled {size['chunk']} a chunk "
           f"through the paged cache ({BACKEND}); greedy: {size['prompts']} prompts x {size['max_tokens']} tokens")
-    print(f"  {'mode':22s} {'bpb':>7s} {'vs fp32':>8s} {'KL (nats)':>10s} {'identical':>10s} {'median div':>10s}")
+    print(f"  (median div: the first differing new token of the runs that differ; margin: the fp32 run's top logit over "
+          f"its runner-up there, against {res['modes']['fp32 (model)']['median_margin']:.2f} at the median token)")
+    print(f"  {'mode':22s} {'bpb':>7s} {'vs fp32':>8s} {'KL (nats)':>10s} {'identical':>10s} {'median div':>10s} "
+          f"{'margin':>7s}")
     for label, r in res["modes"].items():
-        md = "-" if r["median_divergence"] is None else f"{r['median_divergence']:g}"
+        md, mg = ("-" if r[k] is None else f"{r[k]:{f}}" for k, f in (("median_divergence", "g"),
+                                                                         ("median_margin_there", ".3f")))
         print(f"  {label:22s} {r['bpb']:7.4f} {100 * (r['bpb'] / ref - 1):+7.2f}% {r['kl']:10.2e} "
-              f"{r['identical']:>4d} / {r['prompts']:<3d} {md:>10s}")
+              f"{r['identical']:>4d} / {r['prompts']:<3d} {md:>10s} {mg:>7s}")
     print("  K's outlier channels (amax of |K| per (KV head, dim) channel over the windows; top 3 / median):")
     for layer, ratios, ch in res["k_outliers"]:
         print(f"    layer {layer}: {' '.join(f'{r:5.1f}x' for r in ratios)}   (largest: head {ch[0]}, dim {ch[1]})")
