@@ -426,8 +426,8 @@ def test_the_readme_checker_finds_a_wrong_total_and_a_missing_week():
     total = str(sum(POINTS.values()))
     broken = (text.replace(f"In all {total} points", "In all 999 points")
               .replace("| ex1 slot mapping | 0.5 | 3 |", "| ex1 slot mapping | 0.5 | 4 |")
-              .replace("| 10 | 11 structured outputs; 13 the memory hierarchy | 11, 13 |",
-                       "| 10 | structured outputs; 13 the memory hierarchy | 13 |"))
+              .replace("| 10 | 11 structured outputs; 13 the memory hierarchy; 14 fewer bytes per token | 11, 13 |",
+                       "| 10 | structured outputs; 13 the memory hierarchy; 14 fewer bytes per token | 13 |"))
     bad = exercises_readme_problems(broken)
     for expected in ["should say " + total + " points", "ex1 is worth 4 in the table, 3 in grade.py",
                      "notebook 11 has no week", "problem set 11 has no week"]:

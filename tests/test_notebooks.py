@@ -26,7 +26,7 @@ NOTEBOOKS = ["01_model_and_generation.ipynb", "02_paged_kv_cache.ipynb", "03_con
              "04_speculative_decoding.ipynb", "05_triton_kernels.ipynb", "06_speculation_without_a_second_model.ipynb",
              "07_token_trees.ipynb", "08_graduating_to_vllm.ipynb", "09_why_it_pays_on_a_gpu.ipynb",
              "10_past_one_device.ipynb", "11_structured_outputs.ipynb", "12_from_gpt2_to_llama.ipynb",
-             "13_memory_hierarchy.ipynb"]
+             "13_memory_hierarchy.ipynb", "14_fewer_bytes_per_token.ipynb"]
 TIMEOUT_S = 300          # each takes ~5-15 s on a 2-core CPU; this only catches a hang
 
 # Runs in the child process: argv[1] is the notebook's file name. In a student release the first cell switches

@@ -1,6 +1,6 @@
 """The lab bench: workloads, run metrics, benchmarks and lecture demos, all driving the public engine API.
 
-    python -m minibatch.bench batching | speculative | trees | attention | kv | peers | online | serve | preemption | offload | prefix
+    python -m minibatch.bench batching | speculative | trees | attention | kv | kv-accuracy | peers | online | serve | preemption | offload | prefix
     python -m minibatch demo continuous | static | paged | speculative | tree
 """
 

@@ -1,6 +1,6 @@
 """KV memory efficiency, measured: contiguous max-length reservation vs the paged allocator.
 
-    python -m minibatch.bench kv [--num-requests 256 --block-size 16 --max-len 512 --seed 0]
+    python -m minibatch.bench kv [--num-requests 256 --block-size 16 --max-len 512 --seed 0 --kv-budget-gib 1]
 
 Before vLLM, a serving system reserved one contiguous KV region per request,
 as long as the longest sequence it might reach (``max_len`` slots), because it
@@ -15,6 +15,11 @@ The workload (stated in the output): prompt lengths uniform in
 median max_len/8 and sigma 1 (a long tail), at least 1, capped so that
 prompt + output <= max_len. Shares are measured when every request has reached
 its final length -- the moment most favourable to contiguous reservation.
+
+Then the bytes of one token under each cache dtype (``kv/quant.py``), and the tokens a pool of ``--kv-budget-gib``
+holds (``KVCache.bytes_per_block`` counts the blocks, as ``from_memory_budget`` does): fp8 and int8 store 1 byte a
+value against fp32's 4, so 4x the tokens, less the share the per-(token, head) scales take (4 bytes per head_dim
+values: 1/(D + 1) of the bytes at D = 64, 1/129 at D = 128).
 """
 from __future__ import annotations
 
@@ -22,7 +27,11 @@ import argparse
 import math
 import random
 
+import torch
+
+from minibatch.kv import quant
 from minibatch.kv.block_allocator import BlockAllocator, NoFreeBlocksError
+from minibatch.kv.kv_cache import KVCache
 from minibatch.perf.models import get_model
 
 PAPER = ("vLLM paper (Kwon et al., SOSP'23, Fig. 2): existing systems used only 20.4-38.2 % of their "
@@ -84,15 +93,52 @@ def kv_per_token() -> list:
     return rows
 
 
+# The capacity table: (label, kv_cache_dtype, the model's dtype for "auto", scale granularity)
+CAPACITY_MODELS = ("target", "llama", "llama-3-8b")
+CAPACITY_MODES = ([("fp32", "auto", torch.float32, "per_tensor"), ("bf16", "auto", torch.bfloat16, "per_tensor")]
+                  + [(f"{d} {g}", d, torch.float32, g) for d in ("fp8_e4m3", "fp8_e5m2", "int8")
+                     for g in quant.SCALE_GRANULARITIES])
+
+
+def capacity(name: str, budget_bytes: int, block_size: int) -> list:
+    """[(mode, KV bytes per token, the scales' share of them, tokens the budget holds, ratio to fp32's)] for
+    model ``name``'s shapes (minibatch.perf.models); tokens are whole blocks, as the pool is."""
+    m, rows = get_model(name), []
+    for label, dtype, model_dtype, granularity in CAPACITY_MODES:
+        per_token = quant.bytes_per_token(m.n_layer, m.n_kv_heads, m.head_dim, dtype, model_dtype, granularity)
+        unscaled = quant.bytes_per_token(m.n_layer, m.n_kv_heads, m.head_dim, dtype, model_dtype, "per_tensor")
+        per_block = KVCache.bytes_per_block(m.n_layer, block_size, m.n_kv_heads, m.head_dim, model_dtype, dtype,
+                                            granularity)
+        rows.append([label, per_token, 1 - unscaled / per_token, budget_bytes // per_block * block_size])
+    for r in rows:
+        r.append(r[3] / rows[0][3])
+    return [tuple(r) for r in rows]
+
+
+def print_capacity(budget_bytes: int, block_size: int) -> dict:
+    print(f"\nKV capacity per cache dtype in a pool of {budget_bytes / 2**30:g} GiB (block size {block_size}; "
+          f"per_tensor's 2 x layers scales are not per token; per_token_head stores a float32 per token, head, K/V):")
+    out = {}
+    for name in CAPACITY_MODELS:
+        m = get_model(name)
+        print(f"  {name} ({m.n_layer} layers x {m.n_kv_heads} K/V heads x head dim {m.head_dim})")
+        print(f"    {'mode':24s} {'B/token':>9s} {'scales':>7s} {'tokens':>12s} {'x fp32':>7s}")
+        rows = out[name] = capacity(name, budget_bytes, block_size)
+        for label, b, share, tokens, ratio in rows:
+            print(f"    {label:24s} {b:>9,d} {100 * share:6.2f}% {tokens:>12,d} {ratio:6.2f}x")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m minibatch.bench kv", description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-budget-gib", type=float, default=1.0, help="the pool's bytes in the capacity table")
     args = ap.parse_args(argv)
-    if args.num_requests < 1 or args.max_len < 2 or args.block_size < 1:
-        ap.error("need --num-requests >= 1, --max-len >= 2, --block-size >= 1")
+    if args.num_requests < 1 or args.max_len < 2 or args.block_size < 1 or not args.kv_budget_gib > 0:
+        ap.error("need --num-requests >= 1, --max-len >= 2, --block-size >= 1, --kv-budget-gib > 0")
     rng = random.Random(args.seed)
     reqs = [sample_request(rng, args.max_len) for _ in range(args.num_requests)]
     lens = sorted(p + o for p, o in reqs)
@@ -123,7 +169,8 @@ def main(argv=None) -> dict:
     print("\nKV bytes per token (2 x layers x K/V heads x head dim x bytes; grouped-query attention shares K/V heads):")
     for name, h, hkv, b, mha in rows:
         print(f"  {name:12s} {h:>3d} query / {hkv:>2d} K/V heads: {b:>9,d} B  ({b / mha:.2f} of multi-head's {mha:,d} B)")
-    return {"kv_bytes_per_token": {r[0]: r[3] for r in rows},"contiguous_share": contiguous, "paged_share": paged, "contiguous_fit": fit_contig,
+    cap = print_capacity(int(args.kv_budget_gib * 2**30), args.block_size)
+    return {"kv_bytes_per_token": {r[0]: r[3] for r in rows}, "capacity": cap, "contiguous_share": contiguous, "paged_share": paged, "contiguous_fit": fit_contig,
             "paged_fit": fit_paged, "by_block_size": by_bs, "fit_by_block_size": fit_by_bs}
 
 

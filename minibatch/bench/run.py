@@ -4,7 +4,8 @@
     python -m minibatch.bench speculative  [--methods draft,medusa --ks 1,2,3,4 --batch-sizes 1,8]
     python -m minibatch.bench trees        [--methods medusa,eagle --depth 4 --batch-sizes 1,8]  chains vs trees
     python -m minibatch.bench attention    Triton vs PyTorch paged attention (GB/s on a GPU)
-    python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged
+    python -m minibatch.bench kv           KV memory holding tokens: contiguous vs paged; bytes and capacity per cache dtype
+    python -m minibatch.bench kv-accuracy  what quantized KV blocks cost: bpb, KL, greedy agreement, K's outlier channels
     python -m minibatch.bench peers        against Hugging Face transformers on the same weights (optional dep)
     python -m minibatch.bench vllm         against vLLM's CPU build on the same weights (its own venv)
     python -m minibatch.bench online       latency against load (Poisson rates), static vs continuous, as a PNG
@@ -191,6 +192,7 @@ def where_the_time_goes(rows: dict) -> tuple[str, float | None]:
 
 # Benchmarks that live in modules of their own: python -m minibatch.bench NAME [their options]
 OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_efficiency",
+          "kv-accuracy": "minibatch.bench.kv_accuracy",
           "peers": "minibatch.bench.peers", "vllm": "minibatch.bench.vllm_peer", "online": "minibatch.bench.online",
           "serve": "minibatch.bench.serve", "trees": "minibatch.bench.trees", "disagg": "minibatch.bench.disagg",
           "gpu-check": "minibatch.bench.gpu_check", "profile": "minibatch.bench.step_profile",
