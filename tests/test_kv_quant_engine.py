@@ -95,3 +95,24 @@ def test_bad_settings_refused_at_the_config(kw, match):
 
 def test_fp8_alias_made_canonical():
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_the_simulated_clock_prices_attention_reads_at_the_cache_dtype():
+    """A decode step of Llama-3-8B at batch 64, context 4096 (problem set 12, question 7): attention reads every
+    token's K and V once per layer, 2 x 1024 values, at 2 bytes in bf16 and 1 at fp8 (per (token, head) adds a
+    4-byte scale per K/V head); the rest of the step is unchanged."""
+    from minibatch.perf.cost import CostModel
+    rows = [(1, 4096, 1)] * 64
+    ops = {}
+    for d in ("auto", "fp8_e4m3"):
+        cm = CostModel.from_spec("h100:llama-3-8b", d)
+        ops[d] = {o.name: o for o in cm.forward_ops(cm.model, rows)}
+    m = cm.model
+    tokens = 64 * (4096 + 1) * m.n_layer                       # read and written, over the layers
+    auto, fp8 = ops["auto"]["attention"].bytes, ops["fp8_e4m3"]["attention"].bytes
+    assert auto - fp8 == tokens * 2 * m.kv_dim * (m.dtype_bytes - 1)
+    cm8 = CostModel.from_spec("h100:llama-3-8b", "int8", "per_token_head")
+    int8 = {o.name: o for o in cm8.forward_ops(cm8.model, rows)}["attention"].bytes
+    assert int8 - fp8 == tokens * 2 * m.n_kv_heads * 4
+    assert ops["auto"]["mlp"].bytes == ops["fp8_e4m3"]["mlp"].bytes
+    assert EngineConfig(simulate="h100:llama-3-8b", kv_cache_dtype="fp8").cost_model().kv_cache_dtype == "fp8_e4m3"

@@ -191,7 +191,7 @@ class EngineConfig:
         if self.simulate is None:
             return None
         from minibatch.perf.cost import CostModel
-        return CostModel.from_spec(self.simulate)
+        return CostModel.from_spec(self.simulate, self.kv_cache_dtype, self.scale_granularity)
 
     def _check_graphs(self) -> None:
         if not isinstance(self.enforce_eager, bool):

@@ -95,20 +95,26 @@ class CostModel:
     """step_time(trace) -> seconds on ``hardware`` for ``model``; breakdown(trace) -> the operators."""
 
     def __init__(self, hardware: HardwareProfile, model: ModelProfile, draft: ModelProfile | None = None,
-                 tp: int = 1, host: HostCpuProfile | None = None):
+                 tp: int = 1, host: HostCpuProfile | None = None, kv_cache_dtype: str = "auto",
+                 scale_granularity: str = "per_tensor"):
         if tp > 1 and hardware.interconnect_bandwidth <= 0:
             raise ValueError(f"{hardware.name} has no interconnect for tensor parallelism (tp={tp}); use tp=1")
         self.hw, self.model, self.draft, self.tp, self.host = hardware, model, draft, tp, host
+        # the target's KV cache (kv/quant.py): what attention reads and writes, and what a swapped block moves,
+        # is priced at its stored bytes and scales; the draft model keeps its own cache in its own dtype
+        self.kv_cache_dtype = quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.scale_granularity = quant.check_scale_granularity(scale_granularity)
 
     @classmethod
-    def from_spec(cls, spec: str) -> "CostModel":
+    def from_spec(cls, spec: str, kv_cache_dtype: str = "auto", scale_granularity: str = "per_tensor") -> "CostModel":
         """'h100:llama-3-8b'; 'h100+cpu:target' adds the host CPU's time per step (perf/host.py)."""
         hw, tp, model, draft = parse_simulate(spec)
         host = None
         if hw.endswith(HOST_SUFFIX):
             hw, host = hw[: -len(HOST_SUFFIX)], HOST_CPU
         m = get_model(model)
-        return cls(get_hardware(hw), m, get_model(draft or DEFAULT_DRAFT.get(model, "draft")), tp, host)
+        return cls(get_hardware(hw), m, get_model(draft or DEFAULT_DRAFT.get(model, "draft")), tp, host,
+                   kv_cache_dtype, scale_granularity)
 
     def __repr__(self):
         tp = f"{self.tp}x" if self.tp > 1 else ""
@@ -136,6 +142,12 @@ class CostModel:
         reads, and writes) one whole K/V head, replicated on tp / n_kv ranks: those bytes are not split."""
         return max(1.0, m.n_kv_heads / self.tp) * m.head_dim
 
+    def kv_bytes_per_rank_token(self, m: ModelProfile) -> float:
+        """Bytes of one token's K and V in one layer, on one rank: 2 x Kr x the element size for "auto", one byte a
+        value plus the scales for a quantized target cache (``kv_bytes_per_token``)."""
+        dtype = self.kv_cache_dtype if m is self.model else "auto"
+        return kv_bytes_per_token(m, dtype, self.scale_granularity) / m.n_layer * self.kv_dim_per_rank(m) / m.kv_dim
+
     # -- operators ------------------------------------------------------------------------------------------
     def forward_ops(self, m: ModelProfile, rows, layers: int | None = None, head: bool = True,
                     prefix: str = "") -> list:
@@ -146,10 +158,11 @@ class CostModel:
         H, Q, Kr, I = m.hidden, m.q_dim, self.kv_dim_per_rank(m), m.intermediate     # Kr: K/V width a rank
         mw = (3 if m.gated_mlp else 2) * H * I
         qkv = Q / tp + 2 * Kr                                                          # q, k, v outputs a rank
+        kv = self.kv_bytes_per_rank_token(m)            # a token's K and V as the cache stores them (2 Kr w: auto)
         per_layer = [
             Op("qkv", 2 * T * H * qkv, w * (H * qkv + T * (H + qkv)), 2),
             Op("attention", sum(4 * q * c * Q for q, c, _ in rows) / tp,
-               w * (sum(c * 2 * Kr for _, c, _ in rows) + T * 2 * Kr + 2 * T * Q / tp), 2),
+               kv * (sum(c for _, c, _ in rows) + T) + w * 2 * T * Q / tp, 2),
             Op("o_proj", 2 * T * Q * H / tp, w * (Q * H / tp + T * (Q / tp + H)), 2),
             Op("mlp", 2 * T * mw / tp, w * (mw / tp + T * (2 * H + 2 * I / tp)), 4)]
         if tp > 1:
@@ -280,7 +293,7 @@ class CostModel:
         hw, m = self.hw, self.model
         if not hw.host_bandwidth:
             return 0.0
-        per = trace.block_size * m.kv_bytes_per_token / self.tp
+        per = trace.block_size * self.kv_bytes_per_rank_token(m) * m.n_layer
         t = 0.0
         for blocks in (getattr(trace, "blocks_to_host", 0), getattr(trace, "blocks_to_device", 0)):
             if blocks:
