@@ -1,0 +1,156 @@
+"""The C++ operator's quantized KV blocks (``kv/quant.py``): how it reads and writes fp8 and int8 bytes.
+
+``cpu_kernel.SOURCE`` begins with this module's ``SOURCE``, a fragment of C++ with two halves:
+
+* **Decode** (``LoadInt8``, ``LoadE4M3``, ``LoadE5M2``; ``Plain<T>`` for an unquantized cache): one stored byte
+  -> a float, branch-free integer arithmetic, so that the attention kernel's inner loops (``dot``, the axpy)
+  still vectorise: the operator dequantizes in registers, one K/V row at a time, and never makes a
+  dequantized copy of the context (as vLLM's kernels do on load). An fp8 number of e exponent and m mantissa
+  bits (bias b) is, for a nonzero exponent field, a float32 whose exponent field is moved up by 127 - b and
+  whose mantissa is the m bits shifted to the top: ``bits = (x & 0x7F) << (23 - m) + ((127 - b) << 23)``; with
+  a zero exponent field it is a subnormal, ``mantissa * 2^(1 - b - m)``, computed as an int-to-float product
+  (not as a float32 denormal, so a flush-to-zero mode cannot change it); the sign bit goes to bit 31 (so -0
+  stays -0). That is torch's decode for every finite code (``tests/test_kv_quant_cpu.py`` checks all of
+  them); the codes past the range (e4m3's NaN 0x7F, e5m2's inf and NaN) read as large finite numbers, and the
+  store never writes them, since it clamps first.
+* **Encode** (``store_quantized``, vLLM's ``cpu_attn_reshape_and_cache`` with its kv_cache_dtype): each row
+  [Hkv, D] quantized on its way into its slot exactly as the torch store (``loop._quantize_rows``): per tensor
+  with the layer's one scale; per (token, head) with the row's own amax over D / max (1.0 where all zero),
+  written into the scale cache [num_blocks, block_size, Hkv] at the row's slot. Then ``y = x / scale``
+  clamped to +-max and cast: int8 rounded half to even (``std::nearbyint``, as ``torch.round``), fp8 through
+  c10's own conversion (``c10::Float8_e4m3fn(float)``, round to nearest even), the one torch's ``.to()``
+  uses, so the bytes are torch's bit for bit, subnormals and signed zero included.
+
+The scales reach the kernel as ``scale_mode`` (0: none, 1: per tensor, 2: per token and head). Per tensor, the
+K scale is folded into the scaled query and the V scale into the final 1/l: no multiply per element.
+"""
+from __future__ import annotations
+
+SOURCE = r"""
+// Quantized KV blocks for minibatch's CPU operator (see cpu_quant.py).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// Decode: a Loader reads element d of a stored row as acc_t (cache_t: the stored element's C++ type).
+template <typename T> struct Plain {                 // an unquantized cache: the model's dtype
+  using cache_t = T;
+  template <typename acc_t> static inline acc_t at(const T* p, int d) { return static_cast<acc_t>(p[d]); }
+};
+struct LoadInt8 {                                    // symmetric int8: the step count itself
+  using cache_t = int8_t;
+  template <typename acc_t> static inline acc_t at(const int8_t* p, int d) { return static_cast<acc_t>(p[d]); }
+};
+// fp8 with M mantissa bits and exponent bias BIAS (e4m3: 3, 7; e5m2: 2, 15), as the module docstring derives
+template <int M, int BIAS> struct LoadFp8 {
+  using cache_t = uint8_t;
+  template <typename acc_t> static inline acc_t at(const uint8_t* p, int d) {
+    const uint32_t x = p[d], mag = x & 0x7Fu;
+    const float normal = bits_to_float((mag << (23 - M)) + (uint32_t(127 - BIAS) << 23));
+    const float sub = static_cast<float>(mag) * bits_to_float(uint32_t(128 - BIAS - M) << 23);  // 2^(1-b-m)
+    const float v = mag < (1u << M) ? sub : normal;
+    return static_cast<acc_t>(bits_to_float(float_to_bits(v) | ((x & 0x80u) << 24)));
+  }
+};
+using LoadE4M3 = LoadFp8<3, 7>;
+using LoadE5M2 = LoadFp8<2, 15>;
+
+// f(Loader{}) for a quantized cache's dtype; anything else is refused here, once.
+template <typename F> void dispatch_quantized(at::ScalarType t, const char* who, F&& f) {
+  switch (t) {
+    case at::kChar: f(LoadInt8{}); break;
+    case at::kFloat8_e4m3fn: f(LoadE4M3{}); break;
+    case at::kFloat8_e5m2: f(LoadE5M2{}); break;
+    default: TORCH_CHECK(false, who, ": a quantized cache is int8, float8_e4m3fn or float8_e5m2, got ", t);
+  }
+}
+
+// Encode y = x / scale, already clamped to +-max, into one stored element.
+struct EncInt8 {
+  using cache_t = int8_t;
+  static constexpr float max = 127.0f;
+  static inline int8_t enc(float y) { return static_cast<int8_t>(std::nearbyint(y)); }   // half to even
+};
+struct EncE4M3 {
+  using cache_t = uint8_t;
+  static constexpr float max = 448.0f;
+  static inline uint8_t enc(float y) { return c10::Float8_e4m3fn(y).x; }
+};
+struct EncE5M2 {
+  using cache_t = uint8_t;
+  static constexpr float max = 57344.0f;
+  static inline uint8_t enc(float y) { return c10::Float8_e5m2(y).x; }
+};
+
+// Row t of x [T, Hkv, D] -> slot[t] of cache [slots, Hkv, D]; scale: one float (per tensor) or the scale cache
+// [slots, Hkv] (per token and head), which receives each row's amax / max.
+template <typename in_t, typename Enc>
+void quantize_rows(const in_t* x, typename Enc::cache_t* cache, float* scale, bool per_token, const int64_t* slot,
+                   int64_t T, int Hkv, int D) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    for (int h = 0; h < Hkv; ++h) {
+      const in_t* src = x + (t * Hkv + h) * D;
+      typename Enc::cache_t* dst = cache + (slot[t] * Hkv + h) * D;
+      float s = scale[0];
+      if (per_token) {                             // quant._token_head_scales: amax over D / max, 1 where all 0
+        float amax = 0;
+        for (int d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(src[d])));
+        s = amax > 0 ? amax / Enc::max : 1.0f;
+        scale[slot[t] * Hkv + h] = s;
+      }
+      for (int d = 0; d < D; ++d)
+        dst[d] = Enc::enc(std::min(std::max(static_cast<float>(src[d]) / s, -Enc::max), Enc::max));
+    }
+  }
+}
+
+void store_one(const at::Tensor& x, at::Tensor& cache, at::Tensor& scale, const int64_t* slot) {
+  const int64_t T = x.size(0);
+  const int Hkv = x.size(1), D = x.size(2);
+  const bool per_token = scale.numel() != 1;
+  float* s = scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "store_kv_cpu", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    switch (cache.scalar_type()) {
+      case at::kChar:
+        quantize_rows<scalar_t, EncInt8>(src, static_cast<int8_t*>(cache.data_ptr()), s, per_token, slot, T, Hkv, D);
+        break;
+      case at::kFloat8_e4m3fn:
+        quantize_rows<scalar_t, EncE4M3>(src, static_cast<uint8_t*>(cache.data_ptr()), s, per_token, slot, T, Hkv, D);
+        break;
+      case at::kFloat8_e5m2:
+        quantize_rows<scalar_t, EncE5M2>(src, static_cast<uint8_t*>(cache.data_ptr()), s, per_token, slot, T, Hkv, D);
+        break;
+      default: TORCH_CHECK(false, "store_kv_cpu: scales go with an int8 or fp8 cache, not ", cache.scalar_type());
+    }
+  });
+}
+
+// The quantizing store: key, value [T, Hkv, D] (any float dtype) into an int8 / fp8 cache, with their scales.
+void store_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                     const at::Tensor& slot_mapping, at::Tensor& k_scale, at::Tensor& v_scale) {
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  for (const at::Tensor* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() &&
+                (s->numel() == 1 || s->numel() == slots * key_cache.size(2)),
+                "store_kv_cpu: a scale is one float32 (per tensor) or [num_blocks, block_size, Hkv] (per token, head)");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
+  store_one(key.contiguous(), key_cache, k_scale, slot);
+  store_one(value.contiguous(), value_cache, v_scale, slot);
+}
+
+}  // namespace
+"""
