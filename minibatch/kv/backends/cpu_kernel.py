@@ -54,8 +54,9 @@ no compiler, no OpenMP or the build fails, ``load()`` says so in one warning and
 split of a step between this operator and SDPA, are ``cpu.py``'s.
 
 The same library holds the backend's store, ``minibatch::store_kv_cpu`` (``cpu.store``; vLLM's
-``cpu_attn_reshape_and_cache``): each token's K and V row copied to its slot, -1 skipped, in one loop; into a
-quantized cache each row is quantized on the way, bit for bit as the torch store (``cpu_quant.py``). Its schema
+``cpu_attn_reshape_and_cache``; its source and the quantized blocks' decode and encode are ``cpu_quant.py``'s):
+each token's K and V row copied to its slot, -1 skipped, in one loop; into a quantized cache each row is
+quantized on the way, bit for bit as the torch store. Its schema
 marks the caches written (``Tensor(a!)``), so a compiled decode step (``cuda_graph_mode="compile"``) calls it in
 place rather than copying the cache.
 """
@@ -244,37 +245,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
     else run(Plain<scalar_t>{});
   });
   return out;
-}
-
-// The store (vLLM's cpu_attn_reshape_and_cache): row t's K and V [Hkv, D] go to slot slot_mapping[t], i.e. block
-// slot / block_size, offset slot % block_size; slot -1 (a padding row) writes nowhere. One copy per row, in place:
-// torch's index_copy_ needs the padding rows masked first, four small operators per layer instead of this loop.
-void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                  const at::Tensor& slot_mapping, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
-              key_cache.sizes() == value_cache.sizes() && key.size(1) == key_cache.size(2) &&
-              key.size(2) == key_cache.size(3), "store_kv_cpu: want key, value [T, Hkv, D] and caches "
-              "[num_blocks, block_size, Hkv, D]");
-  const bool quantized = k_scale.has_value() && k_scale->defined() && v_scale.has_value() && v_scale->defined();
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
-              slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0) &&
-              key_cache.scalar_type() == value_cache.scalar_type() && key.scalar_type() == value.scalar_type() &&
-              (quantized || key.scalar_type() == key_cache.scalar_type()),
-              "store_kv_cpu: want contiguous caches, an int64 slot_mapping [T] and one dtype (or a quantized cache "
-              "and its scales)");
-  if (quantized) return store_quantized(key, value, key_cache, value_cache, slot_mapping, *k_scale, *v_scale);
-  const at::Tensor k = key.contiguous(), v = value.contiguous();
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2), bytes = row * k.element_size();
-  const int64_t slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
-  char *kd = static_cast<char*>(key_cache.data_ptr()), *vd = static_cast<char*>(value_cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot[t] < 0) continue;
-    TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
-    std::memcpy(kd + slot[t] * bytes, ks + t * bytes, bytes);
-    std::memcpy(vd + slot[t] * bytes, vs + t * bytes, bytes);
-  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-"""The C++ operator's quantized KV blocks (``kv/quant.py``): how it reads and writes fp8 and int8 bytes.
+"""The C++ operator's store, and its quantized KV blocks (``kv/quant.py``): how it reads and writes fp8 and int8.
 
-``cpu_kernel.SOURCE`` begins with this module's ``SOURCE``, a fragment of C++ with two halves:
+``cpu_kernel.SOURCE`` begins with this module's ``SOURCE``, a fragment of C++ with three parts:
 
 * **Decode** (``LoadInt8``, ``LoadE4M3``, ``LoadE5M2``; ``Plain<T>`` for an unquantized cache): one stored byte
   -> a float, branch-free integer arithmetic, so that the attention kernel's inner loops (``dot``, the axpy)
@@ -21,6 +21,9 @@
   c10's own conversion (``c10::Float8_e4m3fn(float)``, round to nearest even), the one torch's ``.to()``
   uses, so the bytes are torch's bit for bit, subnormals and signed zero included.
 
+* **The store** ``minibatch::store_kv_cpu`` (``cpu.store``): each token's K and V row to its slot, -1 skipped;
+  an unquantized row is one memcpy, a quantized cache's goes through the encode above.
+
 The scales reach the kernel as ``scale_mode`` (0: none, 1: per tensor, 2: per token and head). Per tensor, the
 K scale is folded into the scaled query and the V scale into the final 1/l: no multiply per element.
 """
@@ -36,6 +39,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace {
 
@@ -150,6 +154,37 @@ void store_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor&
     TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
   store_one(key.contiguous(), key_cache, k_scale, slot);
   store_one(value.contiguous(), value_cache, v_scale, slot);
+}
+
+// The store (vLLM's cpu_attn_reshape_and_cache): row t's K and V [Hkv, D] go to slot slot_mapping[t], i.e. block
+// slot / block_size, offset slot % block_size; slot -1 (a padding row) writes nowhere. One copy per row, in place:
+// torch's index_copy_ needs the padding rows masked first, four small operators per layer instead of this loop.
+void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                  const at::Tensor& slot_mapping, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
+              key_cache.sizes() == value_cache.sizes() && key.size(1) == key_cache.size(2) &&
+              key.size(2) == key_cache.size(3), "store_kv_cpu: want key, value [T, Hkv, D] and caches "
+              "[num_blocks, block_size, Hkv, D]");
+  const bool quantized = k_scale.has_value() && k_scale->defined() && v_scale.has_value() && v_scale->defined();
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+              slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0) &&
+              key_cache.scalar_type() == value_cache.scalar_type() && key.scalar_type() == value.scalar_type() &&
+              (quantized || key.scalar_type() == key_cache.scalar_type()),
+              "store_kv_cpu: want contiguous caches, an int64 slot_mapping [T] and one dtype (or a quantized cache "
+              "and its scales)");
+  if (quantized) return store_quantized(key, value, key_cache, value_cache, slot_mapping, *k_scale, *v_scale);
+  const at::Tensor k = key.contiguous(), v = value.contiguous();
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), bytes = row * k.element_size();
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
+  char *kd = static_cast<char*>(key_cache.data_ptr()), *vd = static_cast<char*>(value_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
+    std::memcpy(kd + slot[t] * bytes, ks + t * bytes, bytes);
+    std::memcpy(vd + slot[t] * bytes, vs + t * bytes, bytes);
+  }
 }
 
 }  // namespace
