@@ -87,18 +87,31 @@ SOURCE = cpu_quant.SOURCE + r"""
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// q . k over D, in acc_t (fp32 for bf16/fp32), k decoded by the Loader (cpu_quant.py); the pragma lets the
-// compiler vectorise the reduction.
-template <typename Ld, typename acc_t>
-inline acc_t dot(const acc_t* q, const typename Ld::cache_t* k, int D) {
+// q . k over D, in acc_t (fp32 for bf16/fp32); the pragma lets the compiler vectorise the reduction.
+template <typename acc_t>
+inline acc_t dot(const acc_t* q, const acc_t* k, int D) {
   acc_t s = 0;
 #pragma omp simd reduction(+ : s)
-  for (int d = 0; d < D; ++d) s += q[d] * Ld::template at<acc_t>(k, d);
+  for (int d = 0; d < D; ++d) s += q[d] * k[d];
   return s;
+}
+
+// One block's nk rows [D] (row t at src + t * stride) decoded into buf [nk, D] in acc_t by the Loader
+// (cpu_quant.py), times row t's own scale where there is one per (token, head) (scale + t * Hkv).
+template <typename Ld, typename acc_t>
+void decode_block(const typename Ld::cache_t* src, int64_t stride, const float* scale, int Hkv, int nk, int D,
+                  acc_t* buf) {
+  for (int t = 0; t < nk; ++t) {
+    const acc_t st = scale ? static_cast<acc_t>(scale[t * Hkv]) : 1;
+    const typename Ld::cache_t* row = src + t * stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) buf[t * D + d] = Ld::template at<acc_t>(row, d) * st;
+  }
 }
 
 template <typename scalar_t, typename Ld>              // Ld: how a stored element reads (Plain<scalar_t>, int8, fp8)
@@ -116,6 +129,7 @@ void paged_attention_kernel(
   using acc_t = at::opmath_type<scalar_t>;             // float for bf16 and fp32
   using cache_t = typename Ld::cache_t;
   const bool per_token = scale_mode == 2;
+  constexpr bool decode = !std::is_same<cache_t, acc_t>::value;   // fp32 (fp64) blocks are read as they lie
   // per tensor: K's scale folded into the scaled query, V's into the final 1 / l (no multiply per element)
   const acc_t k_mul = scale_mode == 1 ? k_scale[0] : 1, v_mul = scale_mode == 1 ? v_scale[0] : 1;
   const acc_t NEG_INF = -std::numeric_limits<acc_t>::infinity();
@@ -132,6 +146,7 @@ void paged_attention_kernel(
       const int ctx = L - n;                           // query i sits at position ctx + i
       const int R = n * G;                             // rows r = i * G + g: query i, head kvh * G + g
       std::vector<acc_t> qs(R * D), acc(R * D, 0), m(R, NEG_INF), l(R, 0), s(bs);
+      std::vector<acc_t> kbuf(decode ? bs * D : 0), vbuf(decode ? bs * D : 0);
       for (int i = 0; i < n; ++i)                      // the scaled queries, in acc_t: [R, D]
         for (int g = 0; g < G; ++g) {
           const scalar_t* qrow = q + (s0 + i) * q_row + (kvh * G + g) * q_head;
@@ -141,9 +156,16 @@ void paged_attention_kernel(
       for (int blk = 0; blk * bs < L; ++blk) {         // logical block blk: positions j0 .. j0 + nk - 1
         const int j0 = blk * bs, nk = std::min(bs, L - j0);
         const int64_t phys = block_tables[b * W + blk], base = phys * bs * pos_stride + kvh * D;
-        const cache_t* K = k_cache + base;             // K row of position j0 + t: K + t * pos_stride, [D]
-        const cache_t* V = v_cache + base;
-        const int64_t sbase = phys * bs * Hkv + kvh;   // per token: position j0 + t's scale at sbase + t * Hkv
+        // K row of position j0 + t: K + t * rs, [D]. A cache of another dtype than acc_t (bf16, int8, fp8) is
+        // decoded one block at a time, once for all the item's rows (never the whole context)
+        const acc_t *K = reinterpret_cast<const acc_t*>(k_cache + base), *V = reinterpret_cast<const acc_t*>(v_cache + base);
+        int64_t rs = pos_stride;
+        if (decode) {
+          const int64_t sb = phys * bs * Hkv + kvh;    // per token: position j0 + t's scale at sb + t * Hkv
+          decode_block<Ld>(k_cache + base, pos_stride, per_token ? k_scale + sb : nullptr, Hkv, nk, D, kbuf.data());
+          decode_block<Ld>(v_cache + base, pos_stride, per_token ? v_scale + sb : nullptr, Hkv, nk, D, vbuf.data());
+          K = kbuf.data(), V = vbuf.data(), rs = D;
+        }
         for (int i = 0; i < n; ++i) {
           const int pos = ctx + i;
           if (pos < j0) continue;                      // causal: the whole block lies after query i
@@ -156,8 +178,7 @@ void paged_attention_kernel(
             for (int t = 0; t < nk; ++t) {
               const int j = j0 + t, node = j - ctx;    // node >= 0: this step's token number node
               const bool seen = j <= pos && (node < 0 || ((bits >> std::min(node, 63)) & 1));
-              s[t] = !seen ? NEG_INF : dot<Ld>(&qs[r * D], K + t * pos_stride, D) *
-                                          (per_token ? static_cast<acc_t>(k_scale[sbase + t * Hkv]) : 1);
+              s[t] = seen ? dot(&qs[r * D], K + t * rs, D) : NEG_INF;
               mx = std::max(mx, s[t]);
             }
             if (mx == NEG_INF) continue;
@@ -170,11 +191,10 @@ void paged_attention_kernel(
             for (int t = 0; t < nk; ++t) {
               if (s[t] == NEG_INF) continue;
               const acc_t p = std::exp(s[t] - m_new);
-              const acc_t pv = per_token ? p * static_cast<acc_t>(v_scale[sbase + t * Hkv]) : p;
-              const cache_t* v = V + t * pos_stride;
+              const acc_t* v = V + t * rs;
               l[r] += p;
 #pragma omp simd
-              for (int d = 0; d < D; ++d) a[d] += pv * Ld::template at<acc_t>(v, d);
+              for (int d = 0; d < D; ++d) a[d] += p * v[d];
             }
             m[r] = m_new;
           }

@@ -43,8 +43,8 @@ SOURCE = r"""
 
 namespace {
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_float(int32_t u) { return __builtin_bit_cast(float, u); }
+inline int32_t float_bits(float f) { return __builtin_bit_cast(int32_t, f); }
 
 // Decode: a Loader reads element d of a stored row as acc_t (cache_t: the stored element's C++ type).
 template <typename T> struct Plain {                 // an unquantized cache: the model's dtype
@@ -59,11 +59,12 @@ struct LoadInt8 {                                    // symmetric int8: the step
 template <int M, int BIAS> struct LoadFp8 {
   using cache_t = uint8_t;
   template <typename acc_t> static inline acc_t at(const uint8_t* p, int d) {
-    const uint32_t x = p[d], mag = x & 0x7Fu;
-    const float normal = bits_to_float((mag << (23 - M)) + (uint32_t(127 - BIAS) << 23));
-    const float sub = static_cast<float>(mag) * bits_to_float(uint32_t(128 - BIAS - M) << 23);  // 2^(1-b-m)
-    const float v = mag < (1u << M) ? sub : normal;
-    return static_cast<acc_t>(bits_to_float(float_to_bits(v) | ((x & 0x80u) << 24)));
+    const int32_t x = p[d], mag = x & 0x7F;
+    const int32_t normal = (mag << (23 - M)) + ((127 - BIAS) << 23);
+    const int32_t sub = float_bits(static_cast<float>(mag) * bits_float((128 - BIAS - M) << 23));   // * 2^(1-b-m)
+    const int32_t is_normal = -static_cast<int32_t>(mag >= (1 << M));   // all ones: the exponent field is not 0
+    // a blend of bits, not a branch or a select of floats: GCC vectorises this loop only so
+    return static_cast<acc_t>(bits_float((normal & is_normal) | (sub & ~is_normal) | ((x & 0x80) << 24)));
   }
 };
 using LoadE4M3 = LoadFp8<3, 7>;
