@@ -200,3 +200,11 @@ def test_a_prefix_hit_on_cpu_equals_the_cold_run(op, target_model):
     hits = llm.llm_engine.allocator.hits
     warm = _tokens(llm.generate(PROMPTS, GREEDY))
     assert llm.llm_engine.allocator.hits > hits and warm == cold
+
+
+def test_the_kv_dtypes_bench_prints_every_row(op, capsys):
+    from minibatch.bench import attention
+    attention.main(["--kv-dtypes", "--iters", "1", "--rounds", "1"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if "|" in ln and ln.split()[0].isdigit()]
+    assert len(rows) == len(attention.KV_CONTEXTS) * len(attention.KV_MODES)
+    assert all(r[-4] == "1.00" for r in rows if r[1] == "fp32")                 # fp32 is the baseline
