@@ -101,19 +101,6 @@ inline acc_t dot(const acc_t* q, const acc_t* k, int D) {
   return s;
 }
 
-// One block's nk rows [D] (row t at src + t * stride) decoded into buf [nk, D] in acc_t by the Loader
-// (cpu_quant.py), times row t's own scale where there is one per (token, head) (scale + t * Hkv).
-template <typename Ld, typename acc_t>
-void decode_block(const typename Ld::cache_t* src, int64_t stride, const float* scale, int Hkv, int nk, int D,
-                  acc_t* buf) {
-  for (int t = 0; t < nk; ++t) {
-    const acc_t st = scale ? static_cast<acc_t>(scale[t * Hkv]) : 1;
-    const typename Ld::cache_t* row = src + t * stride;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) buf[t * D + d] = Ld::template at<acc_t>(row, d) * st;
-  }
-}
-
 template <typename scalar_t, typename Ld>              // Ld: how a stored element reads (Plain<scalar_t>, int8, fp8)
 void paged_attention_kernel(
     const scalar_t* q, int64_t q_row, int64_t q_head,  // query [T, H, D]: strides of a row and of a head
