@@ -3,6 +3,7 @@
     python -m minibatch.bench attention            # on a CUDA machine: the table
     python -m minibatch.bench attention --quick    # fewer, smaller configurations
     python -m minibatch.bench attention --cpu      # the CPU backends: attention alone, then a whole engine step
+    python -m minibatch.bench attention --kv-dtypes  # the CPU operator's decode on fp32, bf16, fp8 and int8 blocks
 
 Decode is the memory-bound case: each new token reads its sequence's whole
 K/V context once and does ~2 FLOPs per byte, so the figure of merit is the
@@ -27,6 +28,12 @@ around ``iters`` calls, several rounds alternating the backends: best round, med
 engine decode step of the shipped target at batch 16 (``LLM``, the step's own ``duration``, the decode steps
 only), rounds alternating the backends the same way. Threads: the engine's choice (1 for the target), or
 ``--threads N``.
+
+``--kv-dtypes`` (``bench_kv_dtypes``, the quantized-KV issue): decode on the CPU operator at batch 16, contexts
+512, 1024 and 2048, with the blocks in fp32, bf16, fp8 e4m3 and int8 (scales per tensor, and per (token, head)),
+through the engine's path; the modes alternate within each round, and each prints its best ms per call and its
+ratio to fp32: of the best rounds, and the min-max of the per-round ratios (the spread). fp8 and int8 read a
+quarter of fp32's bytes (plus 4 bytes per head_dim values per (token, head)), but decode each element first.
 """
 from __future__ import annotations
 
@@ -250,6 +257,62 @@ def bench_cpu(configs, iters, rounds):
     return True
 
 
+KV_CONTEXTS = (512, 1024, 2048)
+# (label, kv_cache_dtype, scale granularity, query and model dtype)
+KV_MODES = [("fp32", "auto", None, torch.float32), ("bf16", "auto", None, torch.bfloat16),
+            ("fp8_e4m3", "fp8_e4m3", "per_tensor", torch.float32), ("int8", "int8", "per_tensor", torch.float32),
+            ("fp8 tok-head", "fp8_e4m3", "per_token_head", torch.float32),
+            ("int8 tok-head", "int8", "per_token_head", torch.float32)]
+
+
+def _kv_call(x, kv_cache_dtype, granularity, dtype):
+    """The decode batch x with its blocks stored as ``kv_cache_dtype`` (quant.py's torch quantize, the reference
+    the stores are held to): (query, key_cache, value_cache, scales)."""
+    from minibatch.kv import quant
+    q, kc, vc = (x[n].to(dtype) for n in ("query", "key_cache", "value_cache"))
+    if kv_cache_dtype == "auto":
+        return q, kc, vc, {}
+    if granularity == "per_tensor":
+        ks, vs = (torch.tensor(quant.calibrate_scale(c, kv_cache_dtype)) for c in (kc, vc))
+    else:
+        ks, vs = (quant.token_head_scales(c, kv_cache_dtype) for c in (kc, vc))      # [N, bs, Hkv]
+    kq, vq = quant.quantize(kc, kv_cache_dtype, ks), quant.quantize(vc, kv_cache_dtype, vs)
+    return q, kq, vq, dict(k_scale=ks.contiguous(), v_scale=vs.contiguous())
+
+
+def bench_kv_dtypes(iters, rounds, B=16, H=4, Hkv=4, D=64):
+    """Decode on the CPU operator for each KV dtype (KV_MODES) and context (KV_CONTEXTS), batch B."""
+    from minibatch.kv import backends
+    from minibatch.kv.attention import AttentionMetadata
+    if backends.cpu_kernel.load() is None:
+        print("the 'cpu' backend's operator cannot be built here (see the warning above): nothing to time")
+        return
+    attend = backends.get("cpu")[1]
+    print(f"CPU operator, decode, batch {B}, H {H}, Hkv {Hkv}, D {D}, block_size {BLOCK_SIZE}; "
+          f"{torch.get_num_threads()} thread(s); ms per call over {iters} calls, best of {rounds} rounds "
+          f"alternating the modes; ratio to fp32: best rounds [min-max over rounds]")
+    head = f"{'ctx':>5} {'KV blocks':>14} | {'best ms':>8} | {'ratio to fp32':^22}"
+    print(head + "\n" + "-" * len(head))
+    for ctx in KV_CONTEXTS:
+        x = make_decode_batch(B, ctx, H, Hkv, D, torch.float32, "cpu")
+        lens = x["seq_lens"].tolist()
+        md = AttentionMetadata(None, x["block_tables"], x["seq_lens"], x["query_start_loc"], 1, max(lens), None,
+                               lens, [1] * B)
+        calls = {label: _kv_call(x, *mode) for label, *mode in KV_MODES}
+        times = {label: [] for label in calls}
+        for _ in range(rounds + 1):                            # the first round warms up, untimed
+            for label, (q, kc, vc, scales) in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    attend(q, kc, vc, md, D ** -0.5, **scales)
+                times[label].append((time.perf_counter() - t0) / iters * 1e3)
+        for label, t in times.items():
+            t, ref = t[1:], times["fp32"][1:]
+            ratios = [a / b for a, b in zip(t, ref)]
+            print(f"{ctx:>5} {label:>14} | {min(t):8.3f} | {min(t) / min(ref):5.2f} "
+                  f"[{min(ratios):5.2f}-{max(ratios):5.2f}]", flush=True)
+
+
 def bench_engine_decode(batch, prompt_len, max_tokens, rounds):
     """A whole decode step of the shipped target through ``LLM``: ``batch`` requests, every step after their
     prefills a batch-``batch`` decode; the median decode step of each round, rounds alternating the backends."""
@@ -286,8 +349,14 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="two small configurations only")
     p.add_argument("--iters", type=int, default=50, help="calls per timing sample (triton; --cpu)")
     p.add_argument("--cpu", action="store_true", help="time the CPU backends, 'batched' vs 'cpu', and an engine step")
-    p.add_argument("--rounds", type=int, default=7, help="--cpu: timed rounds, alternating the backends")
+    p.add_argument("--rounds", type=int, default=7, help="--cpu, --kv-dtypes: timed rounds, alternating")
+    p.add_argument("--kv-dtypes", action="store_true",
+                   help="the CPU operator's decode on fp32, bf16, fp8 and int8 KV blocks, at contexts 512-2048")
     a = p.parse_args(argv)
+    if a.kv_dtypes:
+        with torch.no_grad():
+            bench_kv_dtypes(a.iters, a.rounds)
+        return
     if a.cpu:
         with torch.no_grad():
             if bench_cpu(CPU_QUICK if a.quick else CPU_CONFIGS, a.iters, a.rounds):

@@ -16,7 +16,8 @@ context offset, grouped-query heads and a token tree's mask (``loop.py`` states 
                (``cpu_kernel.py``, vLLM's CPU attention, compiled at first use) that reads the blocks in place
                with an online softmax, OpenMP over (sequence, KV head), for the rows of up to ``cpu.LONG_QUERY``
                queries; longer rows (prefill chunks) go through "batched"'s SDPA in the same step. "batched"
-               where the operator cannot be built (said once, in a warning).
+               where the operator cannot be built (said once, in a warning). It reads and writes quantized
+               blocks too (``cpu_quant.py``: int8 and fp8 decoded in its inner loop, the store quantizing).
 
 This module is the registry: ``get(backend)`` hands out a backend's (store, attend). The public functions
 (``store_kv_torch``, ``paged_attention_loop``, ``paged_attention_batched``, ``paged_attention_cpu``) check their
@@ -35,8 +36,8 @@ from minibatch.kv.backends.cpu import paged_attention_cpu
 from minibatch.kv.backends.loop import paged_attention_loop, store_kv_torch
 from minibatch.kv.checks import check_accepts
 
-# The backends that read quantized blocks (kv/quant.py) so far; "cpu" and "triton" will (the quantized-KV issue)
-QUANTIZED_BACKENDS = ("loop", "batched")
+# The backends that read quantized blocks (kv/quant.py) so far; "triton" will (the quantized-KV issue)
+QUANTIZED_BACKENDS = ("loop", "batched", "cpu")
 
 # (the modules loop, batched, cpu, cpu_kernel, plan and triton are attributes too, left out of a star import: one
 # named triton would shadow Triton itself)

@@ -27,12 +27,14 @@ before it), kept small here, without its ISA-specific tiles:
 Shapes (``cpu.paged_attention_cpu`` checks them; the engine's path trusts ``AttentionMetadata.build``):
 
     query           [T, H, D]                         fp32, bf16 (fp16, fp64), D contiguous
-    key_cache       [num_blocks, block_size, Hkv, D]  one layer's keys (``KVCache.key_cache(l)``), contiguous
-    value_cache     [num_blocks, block_size, Hkv, D]
+    key_cache       [num_blocks, block_size, Hkv, D]  one layer's keys (``KVCache.key_cache(l)``), contiguous:
+    value_cache     [num_blocks, block_size, Hkv, D]  query's dtype, or int8 / fp8 (e4m3, e5m2) with scales
     block_tables    [B, max_blocks] int32             -1 past a sequence's blocks (never read)
     seq_lens        [B] int32                         context including this step's tokens
     query_start_loc [B+1] int32                       sequence b's rows are qsl[b] : qsl[b+1]
     tree_bits       [T] int64 or None                 bit j of row t: it sees this step's token j; -1: causal
+    k_scale, v_scale [1] or [num_blocks, block_size, Hkv] float32, or None: a quantized cache's (kv/quant.py),
+                     dequantized in the inner loops (``cpu_quant.py``), never as a copy of the context
     -> out          [T, H, D], query's dtype          accumulated in fp32 (fp64 for fp64)
 
 What it costs. At decode each K/V byte is read once, in place: on the shipped target at batch 16 the
@@ -52,7 +54,9 @@ no compiler, no OpenMP or the build fails, ``load()`` says so in one warning and
 split of a step between this operator and SDPA, are ``cpu.py``'s.
 
 The same library holds the backend's store, ``minibatch::store_kv_cpu`` (``cpu.store``; vLLM's
-``cpu_attn_reshape_and_cache``): each token's K and V row copied to its slot, -1 skipped, in one loop. Its schema
+``cpu_attn_reshape_and_cache``; its source and the quantized blocks' decode and encode are ``cpu_quant.py``'s):
+each token's K and V row copied to its slot, -1 skipped, in one loop; into a quantized cache each row is
+quantized on the way, bit for bit as the torch store. Its schema
 marks the caches written (``Tensor(a!)``), so a compiled decode step (``cuda_graph_mode="compile"``) calls it in
 place rather than copying the cache.
 """
@@ -68,8 +72,9 @@ from pathlib import Path
 
 import torch
 
+from minibatch.kv.backends import cpu_quant
 
-SOURCE = r"""
+SOURCE = cpu_quant.SOURCE + r"""
 // minibatch::paged_attention_cpu: paged attention reading the KV blocks in place (see cpu_kernel.py).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -82,29 +87,38 @@ SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 // q . k over D, in acc_t (fp32 for bf16/fp32); the pragma lets the compiler vectorise the reduction.
-template <typename acc_t, typename scalar_t>
-inline acc_t dot(const acc_t* q, const scalar_t* k, int D) {
+template <typename acc_t>
+inline acc_t dot(const acc_t* q, const acc_t* k, int D) {
   acc_t s = 0;
 #pragma omp simd reduction(+ : s)
-  for (int d = 0; d < D; ++d) s += q[d] * static_cast<acc_t>(k[d]);
+  for (int d = 0; d < D; ++d) s += q[d] * k[d];
   return s;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Ld>              // Ld: how a stored element reads (Plain<scalar_t>, int8, fp8)
 void paged_attention_kernel(
     const scalar_t* q, int64_t q_row, int64_t q_head,  // query [T, H, D]: strides of a row and of a head
-    const scalar_t* k_cache, const scalar_t* v_cache,  // [num_blocks, block_size, Hkv, D], contiguous
+    const typename Ld::cache_t* k_cache,               // [num_blocks, block_size, Hkv, D], contiguous
+    const typename Ld::cache_t* v_cache,
     const int* block_tables, int W,                    // [B, W]
     const int* seq_lens, const int* query_start_loc,   // [B], [B + 1]
     const int64_t* tree_bits,                          // [T], or nullptr: plain causal
     scalar_t* out,                                     // [T, H, D], contiguous
-    int B, int H, int Hkv, int D, int bs, double scale) {
+    int B, int H, int Hkv, int D, int bs, double scale,
+    const float* k_scale, const float* v_scale,        // scale_mode 1: [1]; 2: [num_blocks, block_size, Hkv]
+    int scale_mode) {                                  // 0: no scales (an unquantized cache)
   using acc_t = at::opmath_type<scalar_t>;             // float for bf16 and fp32
+  using cache_t = typename Ld::cache_t;
+  const bool per_token = scale_mode == 2;
+  constexpr bool decode = !std::is_same<cache_t, acc_t>::value;   // fp32 (fp64) blocks are read as they lie
+  // per tensor: K's scale folded into the scaled query, V's into the final 1 / l (no multiply per element)
+  const acc_t k_mul = scale_mode == 1 ? k_scale[0] : 1, v_mul = scale_mode == 1 ? v_scale[0] : 1;
   const acc_t NEG_INF = -std::numeric_limits<acc_t>::infinity();
   const acc_t sc = static_cast<acc_t>(scale);
   const int G = H / Hkv;                               // query heads per KV head (GQA)
@@ -119,17 +133,26 @@ void paged_attention_kernel(
       const int ctx = L - n;                           // query i sits at position ctx + i
       const int R = n * G;                             // rows r = i * G + g: query i, head kvh * G + g
       std::vector<acc_t> qs(R * D), acc(R * D, 0), m(R, NEG_INF), l(R, 0), s(bs);
+      std::vector<acc_t> kbuf(decode ? bs * D : 0), vbuf(decode ? bs * D : 0);
       for (int i = 0; i < n; ++i)                      // the scaled queries, in acc_t: [R, D]
         for (int g = 0; g < G; ++g) {
           const scalar_t* qrow = q + (s0 + i) * q_row + (kvh * G + g) * q_head;
-          for (int d = 0; d < D; ++d) qs[(i * G + g) * D + d] = static_cast<acc_t>(qrow[d]) * sc;
+          for (int d = 0; d < D; ++d) qs[(i * G + g) * D + d] = static_cast<acc_t>(qrow[d]) * sc * k_mul;
         }
 
       for (int blk = 0; blk * bs < L; ++blk) {         // logical block blk: positions j0 .. j0 + nk - 1
         const int j0 = blk * bs, nk = std::min(bs, L - j0);
-        const int64_t base = (int64_t)block_tables[b * W + blk] * bs * pos_stride + kvh * D;
-        const scalar_t* K = k_cache + base;            // K row of position j0 + t: K + t * pos_stride, [D]
-        const scalar_t* V = v_cache + base;
+        const int64_t phys = block_tables[b * W + blk], base = phys * bs * pos_stride + kvh * D;
+        // K row of position j0 + t: K + t * rs, [D]. A cache of another dtype than acc_t (bf16, int8, fp8) is
+        // decoded one block at a time, once for all the item's rows (never the whole context)
+        const acc_t *K = reinterpret_cast<const acc_t*>(k_cache + base), *V = reinterpret_cast<const acc_t*>(v_cache + base);
+        int64_t rs = pos_stride;
+        if (decode) {
+          const int64_t sb = phys * bs * Hkv + kvh;    // per token: position j0 + t's scale at sb + t * Hkv
+          decode_block<Ld>(k_cache + base, pos_stride, per_token ? k_scale + sb : nullptr, Hkv, nk, D, kbuf.data());
+          decode_block<Ld>(v_cache + base, pos_stride, per_token ? v_scale + sb : nullptr, Hkv, nk, D, vbuf.data());
+          K = kbuf.data(), V = vbuf.data(), rs = D;
+        }
         for (int i = 0; i < n; ++i) {
           const int pos = ctx + i;
           if (pos < j0) continue;                      // causal: the whole block lies after query i
@@ -142,7 +165,7 @@ void paged_attention_kernel(
             for (int t = 0; t < nk; ++t) {
               const int j = j0 + t, node = j - ctx;    // node >= 0: this step's token number node
               const bool seen = j <= pos && (node < 0 || ((bits >> std::min(node, 63)) & 1));
-              s[t] = seen ? dot(&qs[r * D], K + t * pos_stride, D) : NEG_INF;
+              s[t] = seen ? dot(&qs[r * D], K + t * rs, D) : NEG_INF;
               mx = std::max(mx, s[t]);
             }
             if (mx == NEG_INF) continue;
@@ -155,10 +178,10 @@ void paged_attention_kernel(
             for (int t = 0; t < nk; ++t) {
               if (s[t] == NEG_INF) continue;
               const acc_t p = std::exp(s[t] - m_new);
-              const scalar_t* v = V + t * pos_stride;
+              const acc_t* v = V + t * rs;
               l[r] += p;
 #pragma omp simd
-              for (int d = 0; d < D; ++d) a[d] += p * static_cast<acc_t>(v[d]);
+              for (int d = 0; d < D; ++d) a[d] += p * v[d];
             }
             m[r] = m_new;
           }
@@ -167,7 +190,7 @@ void paged_attention_kernel(
       for (int i = 0; i < n; ++i)                      // out[s0 + i, kvh * G + g] = acc / l
         for (int g = 0; g < G; ++g) {
           const int r = i * G + g;
-          const acc_t inv = l[r] > 0 ? 1 / l[r] : 0;   // l = 0 only for a row with no context (padding)
+          const acc_t inv = l[r] > 0 ? v_mul / l[r] : 0;   // l = 0 only for a row with no context (padding)
           scalar_t* o = out + ((int64_t)(s0 + i) * H + kvh * G + g) * D;
           for (int d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
         }
@@ -178,7 +201,8 @@ void paged_attention_kernel(
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start_loc, double scale,
-                               const std::optional<at::Tensor>& tree_bits) {
+                               const std::optional<at::Tensor>& tree_bits,
+                               const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "paged_attention_cpu: want query [T, H, D] and caches [num_blocks, block_size, Hkv, D]");
   const int T = query.size(0), H = query.size(1), D = query.size(2);
@@ -187,8 +211,20 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
               "paged_attention_cpu: want the same D in query and caches, and H a multiple of Hkv");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention_cpu: caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "paged_attention_cpu: query and caches must share a dtype");
+  const bool quantized = k_scale.has_value() && k_scale->defined();
+  TORCH_CHECK(quantized == (v_scale.has_value() && v_scale->defined()) &&
+              key_cache.scalar_type() == value_cache.scalar_type() &&
+              (quantized || query.scalar_type() == key_cache.scalar_type()),
+              "paged_attention_cpu: query and caches must share a dtype, or the caches be quantized with both scales");
+  int scale_mode = 0;                                  // see paged_attention_kernel
+  if (quantized) {
+    const int64_t rows = key_cache.size(0) * bs * Hkv;
+    for (const at::Tensor* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && (s->numel() == 1 || s->numel() == rows),
+                  "paged_attention_cpu: a scale is one float32 or [num_blocks, block_size, Hkv], contiguous");
+    TORCH_CHECK(k_scale->numel() == v_scale->numel(), "paged_attention_cpu: k_scale and v_scale differ in shape");
+    scale_mode = k_scale->numel() == 1 ? 1 : 2;
+  }
   for (const at::Tensor* x : {&block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(),
                 "paged_attention_cpu: metadata must be contiguous int32");
@@ -200,51 +236,34 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();   // rows and heads may be strided
   at::Tensor out = at::empty({T, H, D}, query.options());
   if (T == 0) return out;
+  const float* ks = quantized ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = quantized ? v_scale->data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    paged_attention_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), key_cache.data_ptr<scalar_t>(),
-        value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int>(), block_tables.size(1),
-        seq_lens.data_ptr<int>(), query_start_loc.data_ptr<int>(), tree ? tree_bits->data_ptr<int64_t>() : nullptr,
-        out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, scale);
+    auto run = [&](auto loader) {                      // the kernel for this cache's Loader (cpu_quant.py)
+      using Ld = decltype(loader);
+      using cache_t = typename Ld::cache_t;
+      paged_attention_kernel<scalar_t, Ld>(
+          q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), static_cast<const cache_t*>(key_cache.data_ptr()),
+          static_cast<const cache_t*>(value_cache.data_ptr()), block_tables.data_ptr<int>(), block_tables.size(1),
+          seq_lens.data_ptr<int>(), query_start_loc.data_ptr<int>(), tree ? tree_bits->data_ptr<int64_t>() : nullptr,
+          out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, scale, ks, vs, scale_mode);
+    };
+    if (quantized) dispatch_quantized(key_cache.scalar_type(), "paged_attention_cpu", run);
+    else run(Plain<scalar_t>{});
   });
   return out;
-}
-
-// The store (vLLM's cpu_attn_reshape_and_cache): row t's K and V [Hkv, D] go to slot slot_mapping[t], i.e. block
-// slot / block_size, offset slot % block_size; slot -1 (a padding row) writes nowhere. One copy per row, in place:
-// torch's index_copy_ needs the padding rows masked first, four small operators per layer instead of this loop.
-void store_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                  const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
-              key_cache.sizes() == value_cache.sizes() && key.size(1) == key_cache.size(2) &&
-              key.size(2) == key_cache.size(3), "store_kv_cpu: want key, value [T, Hkv, D] and caches "
-              "[num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
-              slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0) &&
-              key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
-              "store_kv_cpu: want contiguous caches, an int64 slot_mapping [T] and one dtype");
-  const at::Tensor k = key.contiguous(), v = value.contiguous();
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2), bytes = row * k.element_size();
-  const int64_t slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
-  char *kd = static_cast<char*>(key_cache.data_ptr()), *vd = static_cast<char*>(value_cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot[t] < 0) continue;
-    TORCH_CHECK(slot[t] < slots, "store_kv_cpu: slot ", slot[t], " is past the cache's ", slots, " slots");
-    std::memcpy(kd + slot[t] * bytes, ks + t * bytes, bytes);
-    std::memcpy(vd + slot[t] * bytes, vs + t * bytes, bytes);
-  }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minibatch, m) {
   m.def("paged_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? tree_bits=None) -> Tensor");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? tree_bits=None, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   // (a!): the caches are written in place, which torch.compile must know to keep the write (and not copy them)
+  // (per token and head the scale caches are written too)
   m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minibatch, CPU, m) {
@@ -316,12 +335,13 @@ def _build():
     return torch.ops.minibatch.paged_attention_cpu
 
 
-def _fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None):
+def _fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, tree_bits=None,
+          k_scale=None, v_scale=None):
     """What torch.compile sees: out has the query's shape and dtype (and is contiguous, as the kernel's is)."""
     return query.new_empty(query.shape)
 
 
-def _fake_store(key, value, key_cache, value_cache, slot_mapping):
+def _fake_store(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     """The store returns nothing; its schema says it writes the caches (``Tensor(a!)``)."""
     return None
 
