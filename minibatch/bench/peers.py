@@ -73,7 +73,7 @@ def logits_max_diff(model: GPT, hf, num_seqs: int = 4, seq_len: int = 64, seed: 
 
 # -- the two sides of a row: each run() builds its engine untimed, then returns (token lists, seconds) --
 
-MB_ENGINE = {}     # engine options every minibatch side of a run shares (--threads, --attention-backend)
+MB_ENGINE = {}     # engine options every minibatch side of a run shares (--threads, --attention-backend, ...)
 
 
 def mb_side(model, prompts, params, **engine_kwargs):
@@ -248,6 +248,8 @@ def parse_args(prog: str, description: str, argv, ks=(4, 8)) -> argparse.Namespa
     ap.add_argument("--cuda-graph-mode", default="auto",
                     help="minibatch's decode step: auto (plain on a CPU), compile (torch.compiled per batch size at "
                          "each engine's start, untimed, as vLLM's CPU runner does)")
+    ap.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
+                    help="minibatch's prefix cache (vLLM's hash chain, or SGLang's radix tree)")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)                 # as many threads each side: both run in this process
     MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend,
-                     cuda_graph_mode=args.cuda_graph_mode)
+                     cuda_graph_mode=args.cuda_graph_mode, prefix_cache=args.prefix_cache)
     try:
         with torch.no_grad():
             return _run(args, transformers.__version__)

@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     MB_ENGINE.update(num_threads=args.threads, attention_backend=args.attention_backend,
-                     cuda_graph_mode=args.cuda_graph_mode)
+                     cuda_graph_mode=args.cuda_graph_mode, prefix_cache=args.prefix_cache)
     with tempfile.TemporaryDirectory(prefix="minibatch-export-") as tmp, torch.no_grad():
         model_dir = export_hf(target, pathlib.Path(tmp) / "target")
         draft_dir = export_hf(load_model("draft", device="cpu"), pathlib.Path(tmp) / "draft")
@@ -206,9 +206,24 @@ def main(argv=None) -> int:
                   f"batch-1 rows: {args.num_prompts} prompts x {args.max_tokens} tokens, greedy; best of "
                   f"{args.repeats} alternating runs (min-max); mb/vLLM = ratio of bests (range over rounds)")
             rows = time_rows(args, peer, target, draft_dir)
+        if args.prefix_cache == "radix":
+            rows["continuous, radix / hash"] = radix_against_hash(args, target)
     torch.set_num_threads(threads)
     print(format_rows(rows, peer="vLLM"))
     return 0 if all(r["same"] == r["n"] for _, r in rows.values()) else 1
+
+
+def radix_against_hash(args, target) -> tuple:
+    """The continuous row's minibatch side raced against itself: the radix tree (this run's) against the hash
+    chain, alternating, the same tokens (issue 44's target: the tree no slower). In the table's peer columns."""
+    wl = make_workload("longtail", num_requests=args.num_requests, seed=args.seed)
+    prompts, per_req = [w.prompt for w in wl], [w.sampling_params() for w in wl]
+    kv = dict(max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs)
+    r = race(mb_side(target, prompts, per_req, **kv),
+             mb_side(target, prompts, per_req, **kv, prefix_cache="hash"), args.repeats)
+    print(f"continuous, radix / hash: {max(r['mb']) / max(r['hf']):.2f}x, {r['same']}/{r['n']} same", flush=True)
+    return "minibatch, prefix_cache='hash'", r
 
 
 if __name__ == "__main__":
