@@ -48,6 +48,29 @@ def storage_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if kv_format(cache) in (E4M3, E5M2) else cache
 
 
+def check_scales(key_cache, value_cache, k_scale, v_scale, who: str) -> None:
+    """A quantized cache (one dtype for K and V) takes k_scale and v_scale: float32 on its device, one element each
+    or [num_blocks, block_size, Hkv] each, positive and finite (as minibatch/kv/checks.py's check_scales; one host
+    sync); an unquantized cache takes none."""
+    quantized = kv_format(key_cache) != NONE
+    if not quantized and k_scale is None and v_scale is None:
+        return
+    if not quantized or value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"{who}: k_scale / v_scale are for a quantized cache (fp8, int8), one dtype for K and V; "
+                        f"got {key_cache.dtype} / {value_cache.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != key_cache.device:
+            raise TypeError(f"{who}: a {key_cache.dtype} cache needs {name}, a float32 tensor on "
+                            f"{key_cache.device}; got {getattr(s, 'dtype', type(s).__name__)}")
+        if s.numel() != 1 and tuple(s.shape) != tuple(key_cache.shape[:3]):
+            raise ValueError(f"{who}: {name} is one element (per tensor) or [num_blocks, block_size, Hkv] = "
+                             f"{list(key_cache.shape[:3])} (per token and head), got {tuple(s.shape)}")
+    if (k_scale.numel() == 1) != (v_scale.numel() == 1):
+        raise ValueError(f"{who}: k_scale and v_scale must have one granularity")
+    if not bool(torch.stack([(torch.isfinite(s) & (s > 0)).all() for s in (k_scale, v_scale)]).all()):
+        raise ValueError(f"{who}: k_scale and v_scale must be positive and finite everywhere")
+
+
 def scale_args(k_scale, v_scale, fallback: torch.Tensor) -> tuple:
     """(k_scale, v_scale, stride_sb, stride_ss, stride_sh) for a launch. Per tensor (one element each) the strides
     are 0, so every key reads the one scale; per (token, head) they are the scale caches' own (both one layout).
@@ -108,6 +131,12 @@ def codes_to_float(x, KV_FORMAT: tl.constexpr):
         return decode_fp8(x, 2, 15)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def load_scales(scale_ptr, phys, in_block, kv_head, stride_sb, stride_ss, stride_sh, mask):
+    """The scales of the keys at (phys, in_block) of kv_head: one per key (strides 0: the per-tensor one)."""
+    return tl.load(scale_ptr + phys * stride_sb + in_block * stride_ss + kv_head * stride_sh, mask=mask, other=1.0)
 
 
 @triton.jit

@@ -134,7 +134,7 @@ def _check_store_inputs(key, value, key_cache, value_cache, slot_mapping, k_scal
         raise TypeError(f"store_kv: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     quantized = kv_quant.kv_format(key_cache) != kv_quant.NONE
     if quantized or k_scale is not None or v_scale is not None:
-        _check_scales(key, value, key_cache, value_cache, k_scale, v_scale)
+        kv_quant.check_scales(key_cache, value_cache, k_scale, v_scale, "store_kv")
     dtypes = {key.dtype, value.dtype} if quantized else {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
     if len(dtypes) != 1 or (quantized and not key.is_floating_point()):
         raise TypeError(f"store_kv: key, value and the caches must share one dtype, got "
@@ -154,24 +154,6 @@ def _check_store_inputs(key, value, key_cache, value_cache, slot_mapping, k_scal
                              f"outside [-1, {num_slots}) (num_blocks * block_size)")
         if dup:
             raise ValueError("store_kv: two tokens map to the same slot; each slot holds one token")
-
-
-def _check_scales(key, value, key_cache, value_cache, k_scale, v_scale) -> None:
-    """A quantized cache (one dtype for K and V) takes k_scale and v_scale: float32 on its device, one element each
-    or [num_blocks, block_size, Hkv] each (minibatch/kv/checks.py's check_scales, which also refuses a scale that
-    is not positive and finite: the engine's pool holds checked ones); an unquantized cache takes none."""
-    if kv_quant.kv_format(key_cache) == kv_quant.NONE or value_cache.dtype != key_cache.dtype:
-        raise TypeError(f"store_kv: k_scale / v_scale are for a quantized cache (fp8, int8), one dtype for K and V; "
-                        f"got {key_cache.dtype} / {value_cache.dtype}")
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != key_cache.device:
-            raise TypeError(f"store_kv: a {key_cache.dtype} cache needs {name}, a float32 tensor on "
-                            f"{key_cache.device}; got {getattr(s, 'dtype', type(s).__name__)}")
-        if s.numel() != 1 and tuple(s.shape) != tuple(key_cache.shape[:3]):
-            raise ValueError(f"store_kv: {name} is one element (per tensor) or [num_blocks, block_size, Hkv] = "
-                             f"{list(key_cache.shape[:3])} (per token and head), got {tuple(s.shape)}")
-    if (k_scale.numel() == 1) != (v_scale.numel() == 1):
-        raise ValueError("store_kv: k_scale and v_scale must have one granularity")
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

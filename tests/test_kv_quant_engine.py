@@ -14,6 +14,7 @@ import pytest
 
 from minibatch import LLM, SamplingParams
 from minibatch.engine.config import EngineConfig
+from minibatch.kv.backends import QUANTIZED_BACKENDS
 from minibatch.trace import TraceRecorder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +87,8 @@ def test_simulated_budget_counts_quantized_bytes():
     (dict(kv_cache_dtype="int8", scale_granularity="per_row"), "choose one of"),
     (dict(calculate_kv_scales=True), "needs a quantized kv_cache_dtype"),
     (dict(kv_cache_dtype="int8", scale_granularity="per_token_head", calculate_kv_scales=True), "per_tensor"),
-    (dict(kv_cache_dtype="int8", attention_backend="triton"), "not 'triton'"),
+    *[(dict(kv_cache_dtype="int8", attention_backend=b), f"not '{b}'")      # the backends that do not read them yet
+      for b in ("cpu", "triton") if b not in QUANTIZED_BACKENDS],
     (dict(kv_cache_dtype="int8", tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(kv_cache_dtype="int8", disaggregated=True), "disaggregated"),
 ])

@@ -35,8 +35,8 @@ from minibatch.kv.backends.cpu import paged_attention_cpu
 from minibatch.kv.backends.loop import paged_attention_loop, store_kv_torch
 from minibatch.kv.checks import check_accepts
 
-# The backends that read quantized blocks (kv/quant.py) so far; "cpu" and "triton" will (the quantized-KV issue)
-QUANTIZED_BACKENDS = ("loop", "batched")
+# The backends that read quantized blocks (kv/quant.py) so far; "cpu" will (the quantized-KV issue)
+QUANTIZED_BACKENDS = ("loop", "batched", "triton")
 
 # (the modules loop, batched, cpu, cpu_kernel, plan and triton are attributes too, left out of a star import: one
 # named triton would shadow Triton itself)
@@ -85,9 +85,10 @@ def get(backend: str, checked: bool = False):
         except ImportError as e:
             raise ImportError(f"the 'triton' backend needs the kernels package and Triton: {e}") from e
         if checked:                               # the public, checked kernel (ex9 hands its decodes to a student's)
-            return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
-                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md))
-        return triton._triton_store, lambda q, kc, vc, md, s: triton._triton_attend(q, kc, vc, md, s)   # patchable
+            return kernels.store_kv, lambda q, kc, vc, md, s, **kv: kernels.paged_attention(
+                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md),
+                **_scales(kv, kernels.paged_attention))
+        return triton._triton_store, lambda q, kc, vc, md, s, **kv: triton._triton_attend(q, kc, vc, md, s, **kv)  # patchable
     if checked:
         attend = loop.paged_attention_loop if backend == "loop" else batched.paged_attention_batched
         return store_kv_torch, _checked(attend)
