@@ -85,6 +85,14 @@ def scale_args(k_scale, v_scale, fallback: torch.Tensor) -> tuple:
     return (k_scale, v_scale, *k_scale.stride())
 
 
+def launch_args(key_cache, k_scale, v_scale, fallback) -> dict:
+    """A decode kernel's last arguments, by name (``paged_decode``'s and exercise 9's): the scales, their strides
+    and the format (unread pointers, strides 0 and KV_FORMAT 0 for an unquantized cache)."""
+    ks, vs, sb, ss, sh = scale_args(k_scale, v_scale, fallback)
+    return dict(k_scale_ptr=ks, v_scale_ptr=vs, stride_sb=sb, stride_ss=ss, stride_sh=sh,
+                KV_FORMAT=kv_format(key_cache))
+
+
 @triton.jit
 def _pow2(e):
     """2^e as float32 for an int32 e in -126..127, exactly: the exponent field written directly."""
