@@ -12,6 +12,7 @@ context offset, grouped-query heads and a token tree's mask (``loop.py`` states 
                (gather indices, masks) is built once per step, not per layer (``plan.py``, the shared plan).
   "triton"  -- ``triton.py``: ``kernels.paged_attention`` reads blocks in place with an online softmax;
                pure-decode steps go to ``kernels.flash_decode`` (full tiles, the context split over programs).
+               Quantized blocks are decoded in registers (``kernels/kv_quant.py``).
   "cpu"     -- ``cpu.py``, the default on a CPU (``attention.default_backend``): a small C++ operator
                (``cpu_kernel.py``, vLLM's CPU attention, compiled at first use) that reads the blocks in place
                with an online softmax, OpenMP over (sequence, KV head), for the rows of up to ``cpu.LONG_QUERY``
