@@ -10,7 +10,8 @@ flash_decode; the "triton" backend), run by the interpreter on a CPU.
 * each attention kernel equals a float64 oracle run on the dequantized blocks (codes times their scales), with
   GQA, a context offset, a token tree for ``paged_attention``, split and unsplit decodes; slots no sequence owns
   hold poison (scales of 1e30), so a kernel that reads one fails;
-* the engine's greedy output on "triton" equals "loop"'s on an int8 per-(token, head) cache.
+* the engine's greedy output on "triton" equals "loop"'s on an int8 per-(token, head) cache;
+* on a GPU (marker gpu), the compiled kernels: the store's bytes and each kernel against the oracle.
 The AOT compile of the quantized variants for sm_80 / sm_90 is in tests/test_kernel_compile.py.
 """
 import math
@@ -27,7 +28,8 @@ from kernels import kv_quant  # noqa: E402
 from minibatch.kv import quant  # noqa: E402
 from minibatch.kv.backends.loop import store_kv_torch  # noqa: E402
 
-pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = pytest.mark.interpreter              # CPU tensors through the interpreter (with CUDA, the gpu test runs them)
 
 FP8 = [("fp8_e4m3", 3, 7), ("fp8_e5m2", 2, 15)]                 # (kv_cache_dtype, mantissa bits, bias)
 MODES = [(d, g) for d in ("fp8_e4m3", "fp8_e5m2", "int8") for g in quant.SCALE_GRANULARITIES]
@@ -54,6 +56,7 @@ def _run(kernel, x, out_dtype, mant, bias):
     return out
 
 
+@CPU
 @pytest.mark.parametrize("name,mant,bias", FP8)
 def test_fp8_bits_decode_and_encode_as_torch_casts(name, mant, bias):
     dtype = quant.storage_dtype(name)
@@ -92,6 +95,7 @@ def _store_inputs(name, granularity, T=11, N=6, seed=0):
     return key, value, caches, slots, scales
 
 
+@CPU
 @pytest.mark.parametrize("name,granularity", MODES)
 def test_store_kv_writes_the_torch_stores_bytes(name, granularity):
     key, value, (kc, vc), slots, (ks, vs) = _store_inputs(name, granularity)
@@ -115,6 +119,7 @@ def test_store_kv_writes_the_torch_stores_bytes(name, granularity):
         assert ks.view(-1, HKV)[int(slots[0]), 0] == 1.0                     # the all-zero head
 
 
+@CPU
 def test_store_kv_refuses_a_quantized_cache_without_scales():
     key, value, (kc, vc), slots, (ks, vs) = _store_inputs("int8", "per_tensor")
     with pytest.raises(TypeError, match="k_scale"):
@@ -186,6 +191,7 @@ def _check(out, want, dtype):
     assert err <= TOL[dtype] * max(1.0, want.abs().max().item()), f"max error {err}"
 
 
+@CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name,granularity", MODES)
 def test_paged_attention_reads_quantized_blocks(name, granularity, dtype):
@@ -200,6 +206,7 @@ def test_paged_attention_reads_quantized_blocks(name, granularity, dtype):
         _check(out, oracle(b, 0.3, bits), dtype)
 
 
+@CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name,granularity", MODES)
 @pytest.mark.parametrize("fn", ["paged_decode", "flash_decode"])
@@ -211,6 +218,7 @@ def test_decode_kernels_read_quantized_blocks(fn, name, granularity, dtype):
     _check(out, oracle(b, 0.3), dtype)
 
 
+@CPU
 def test_flash_decode_split_plan_is_exercised():
     from kernels.flash_decode import PRODUCT_LANES, plan
     block_n = max(8, min(64, PRODUCT_LANES // (triton.next_power_of_2(H // HKV) * triton.next_power_of_2(D))))
@@ -218,6 +226,7 @@ def test_flash_decode_split_plan_is_exercised():
 
 
 # ----------------------------------------------------------------------------- the engine
+@CPU
 def test_engine_greedy_on_triton_equals_loop(target_model):
     from minibatch import LLM, SamplingParams
     prompts = ["def fib(n):\n    return", "The cat sat on the mat because"]
@@ -226,3 +235,32 @@ def test_engine_greedy_on_triton_equals_loop(target_model):
     outs = {be: [o.outputs[0].token_ids for o in LLM(target_model, attention_backend=be, **kw)
                  .generate(prompts, params, use_tqdm=False)] for be in ("loop", "triton")}
     assert outs["triton"] == outs["loop"]
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name,granularity", MODES)
+def test_gpu_quantized_store_and_kernels(name, granularity, dtype):
+    """The compiled kernels (the bits decoded and encoded by integer arithmetic, div_rn, the int8 rounding): the
+    store's bytes equal the torch store's on the CPU, and every kernel the float64 oracle."""
+    key, value, caches, slots, scales = _store_inputs(name, granularity)
+    gpu = [x.cuda() for x in (key, value, *caches, slots, *scales)]
+    kernels.store_kv(*gpu[:5], k_scale=gpu[5], v_scale=gpu[6])
+    store_kv_torch(key, value, *caches, slots, k_scale=scales[0], v_scale=scales[1])
+    for got, want in zip(gpu[2:4] + gpu[5:], caches + scales):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
+    for q_lens, seq_lens, fns in (([1, 6, 4], [9, 6, 11], ["paged_attention"]),
+                                  ([1, 1, 1], [9, 37, 2], ["paged_decode", "flash_decode"])):
+        b = make_batch(name, granularity, q_lens, seq_lens, dtype, width=24)
+        want = oracle(b, 0.3)
+        g = {k: v.cuda() for k, v in b.items()}
+        for fn in fns:
+            args = [g[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+            if fn == "paged_attention":
+                args.append(g["query_start_loc"])
+            out = getattr(kernels, fn)(*args, 0.3, k_scale=g["k_scale"], v_scale=g["v_scale"]).cpu()
+            assert torch.isfinite(out).all()
+            err = (out.double() - want).abs().max().item()
+            assert err <= tol * max(1.0, want.abs().max().item()), f"{fn}: max error {err}"
