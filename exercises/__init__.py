@@ -118,22 +118,25 @@ _PAGED_ATTENTION_ELSEWHERE = (
                                            "slot_mapping)"),
     ("minibatch.bench.attention", "local_paged_reference", _THROUGH_2.format("")),
     ("kernels.paged_attention", "_paged_attention_kernel", None),
-    ("kernels.paged_attention", "_launch", "out.copy_(" + _THROUGH_2.format(", tree_bits=tree_bits") + ")"),
+    ("kernels.paged_attention", "_launch", "out.copy_(" + _THROUGH_2.format(", tree_bits=tree_bits, k_scale=k_scale, "
+                                                                             "v_scale=v_scale") + ")"),
     ("kernels.flash_decode", "_flash_decode_kernel", None),
     ("kernels.flash_decode", "_combine_kernel", None),
     ("kernels.flash_decode", "_launch_decode", "out.copy_(exercises.attention_through(query, key_cache, value_cache, "
                                                "block_tables, seq_lens, torch.arange(query.shape[0] + 1, "
-                                               "device=query.device), scale))"),
+                                               "device=query.device), scale, k_scale=k_scale, v_scale=v_scale))"),
 )
 # Exercise 9's: the general kernel and flash-decode, each launching the student's decode kernel instead.
 _PAGED_DECODE_ELSEWHERE = (
     ("kernels.paged_attention", "_paged_attention_kernel", None),
     ("kernels.paged_attention", "_launch", "exercises.attention_through_decode(query, key_cache, value_cache, "
-                                           "block_tables, seq_lens, query_start_loc, scale, out, tree_bits=tree_bits)"),
+                                           "block_tables, seq_lens, query_start_loc, scale, out, tree_bits=tree_bits, "
+                                           "k_scale=k_scale, v_scale=v_scale)"),
     ("kernels.flash_decode", "_flash_decode_kernel", None),
     ("kernels.flash_decode", "_combine_kernel", None),
     ("kernels.flash_decode", "_launch_decode", "exercises.launch_paged_decode(query, key_cache, value_cache, "
-                                               "block_tables, seq_lens, scale, out)"),
+                                               "block_tables, seq_lens, scale, out, k_scale=k_scale, "
+                                               "v_scale=v_scale)"),
 )
 
 PIECES = {p.name: p for p in (
@@ -508,11 +511,17 @@ def attention_through(query, key_cache, value_cache, block_tables, seq_lens, que
                                      **scales)
 
 
-def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale=None,
+                        v_scale=None):
     """Exercise 9's kernel launched as its given launcher (``paged_decode``) launches it, on inputs the engine has
     checked once (no host sync, so a CUDA graph can hold it), into ``out``; returns ``out``. In a release the kernel
-    is the student's."""
+    is the student's, which reads unquantized blocks only (the exercise's tests pass KV_FORMAT = 0): a quantized
+    cache (k_scale, v_scale) there stops with a clear error rather than a wrong answer."""
     import triton
+    from kernels import kv_quant
+    if "paged_decode" in REMOVED and k_scale is not None:
+        raise RuntimeError("the student release's Triton attention runs exercise 9's kernel, which reads unquantized "
+                           "KV blocks: a quantized kv_cache_dtype needs attention_backend 'loop' or 'batched' there")
     if "paged_decode" in REMOVED:
         p = PIECES["paged_decode"]
         kernel = _checked_student("paged_decode").__globals__.get("_paged_decode_kernel")
@@ -526,19 +535,22 @@ def launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, s
         kernel[(B, H)](query, key_cache, value_cache, out, block_tables, seq_lens, float(scale),
                        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
                        block_tables.stride(0), D, QUERIES_PER_KV=H // key_cache.shape[2],
-                       BLOCK_SIZE=key_cache.shape[1], BLOCK_D=triton.next_power_of_2(D))
+                       BLOCK_SIZE=key_cache.shape[1], BLOCK_D=triton.next_power_of_2(D),
+                       **(kv_quant.launch_args(key_cache, k_scale, v_scale, seq_lens)
+                          if "k_scale_ptr" in kernel.arg_names else {}))
     return out
 
 
 def attention_through_decode(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                             tree_bits=None):
+                             tree_bits=None, k_scale=None, v_scale=None):
     """Paged attention of any step by exercise 9's decode kernel, one decode per query row (``as_decodes``), into
-    ``out``; returns ``out``."""
+    ``out``; returns ``out``. A quantized cache's scales go on to ``launch_paged_decode`` (which refuses them in a
+    release: the student's kernel reads unquantized blocks)."""
     if query.shape[0] == 0:
         return out
     key_cache, value_cache, block_tables, seq_lens = as_decodes(key_cache, value_cache, block_tables, seq_lens,
                                                                 query_start_loc, tree_bits)
-    return launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    return launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale, v_scale)
 
 
 def tree_rejection_through(parents, tokens, target_probs, draft_probs=None, generator=None) -> tuple:

@@ -76,6 +76,11 @@ def _paged_decode_kernel(
     QUERIES_PER_KV: tl.constexpr,                 # G = H // Hkv
     BLOCK_SIZE: tl.constexpr,                     # the cache block size: one block per iteration
     BLOCK_D: tl.constexpr,                        # head_dim rounded up to a power of two
+    # A quantized cache (fp8, int8; kernels/kv_quant.py): not part of this exercise, whose tests pass KV_FORMAT = 0
+    # and read none of these; kernels/paged_decode.py shows what a kernel does with them.
+    k_scale_ptr, v_scale_ptr,
+    stride_sb, stride_ss, stride_sh,
+    KV_FORMAT: tl.constexpr = 0,
 ):
     """out[seq, head] = softmax(scale * K q) V over the seq_len keys of sequence ``seq``, read through its block table.
 
@@ -113,5 +118,6 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         QUERIES_PER_KV=H // key_cache.shape[2],
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_D=triton.next_power_of_2(D),
+        k_scale_ptr=seq_lens, v_scale_ptr=seq_lens, stride_sb=0, stride_ss=0, stride_sh=0,   # not quantized
     )
     return out

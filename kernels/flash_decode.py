@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_quant
+
 from kernels.paged_decode import check_decode_inputs
 
 TARGET_PROGRAMS = 128     # about one wave of programs on an A100 (108 SMs) or H100 (132 SMs)
@@ -56,11 +58,13 @@ def _flash_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,                    # [B, H, splits, BLOCK_D], [B, H, splits, 2] fp32 (if SPLIT)
     block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr,                     # a quantized cache's scales (read only if KV_FORMAT)
     scale,
     stride_qb, stride_qh, stride_qd,              # query [B, H, D]
     stride_ob, stride_oh, stride_od,              # out   [B, H, D]
     stride_kb, stride_ks, stride_kh, stride_kd,   # key_cache
     stride_vb, stride_vs, stride_vh, stride_vd,   # value_cache
+    stride_sb, stride_ss, stride_sh,              # scales [blocks, block_size, Hkv]; 0, 0, 0 per tensor
     stride_bt,                                    # block_tables row stride: the table's width, per step
     block_size, head_dim,
     keys_per_split,                               # a multiple of BLOCK_N
@@ -69,6 +73,7 @@ def _flash_decode_kernel(
     BLOCK_N: tl.constexpr,          # keys per iteration
     BLOCK_D: tl.constexpr,          # head_dim rounded up to a power of two
     SPLIT: tl.constexpr,            # write partials for _combine_kernel (else the output itself)
+    KV_FORMAT: tl.constexpr = 0,    # a quantized cache (kernels/kv_quant.py): 0 = none, 1 e4m3, 2 e5m2, 3 int8
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,16 +103,25 @@ def _flash_decode_kernel(
         in_block = k_pos % block_size
         kv_mask = k_valid[:, None] & d_valid[None, :]       # the tail of the last block is not ours (NaN)
         k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + in_block[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale                             # [BLOCK_G, BLOCK_N]
+                    + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if KV_FORMAT != 0:                                  # codes -> floats in registers (kv_quant.py)
+            k = kv_quant.codes_to_float(k, KV_FORMAT)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale             # [BLOCK_G, BLOCK_N]
+        if KV_FORMAT != 0:                                  # each key's scale on its score column
+            s = s * kv_quant.load_scales(k_scale_ptr, phys, in_block, kv_head, stride_sb, stride_ss, stride_sh,
+                                         k_valid)[None, :]
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))               # finite: every iteration has a valid key
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)          # [BLOCK_G, BLOCK_D]
+                    + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if KV_FORMAT != 0:                                  # each value's scale on its probability column
+            v = kv_quant.codes_to_float(v, KV_FORMAT)
+            p = p * kv_quant.load_scales(v_scale_ptr, phys, in_block, kv_head, stride_sb, stride_ss, stride_sh,
+                                         k_valid)[None, :]
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)   # [BLOCK_G, BLOCK_D]
         m_i = m_new
 
     if SPLIT:
@@ -161,7 +175,7 @@ def plan(batch: int, num_kv_heads: int, max_ctx: int, block_n: int) -> tuple[int
     return triton.cdiv(max_ctx, keys), keys
 
 
-def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale=None, v_scale=None):
     """Launch on already-checked inputs, one query row per sequence (the engine's triton backend calls this)."""
     B, H, D = query.shape
     block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
@@ -174,11 +188,14 @@ def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
         part_ml = torch.empty((B, H, splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out                          # pointers never written when SPLIT is False
+    ks, vs, *scale_strides = kv_quant.scale_args(k_scale, v_scale, seq_lens)
     _flash_decode_kernel[(B, Hkv, splits)](
-        query, key_cache, value_cache, out, part_acc, part_ml, block_tables, seq_lens, float(scale),
-        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
+        query, kv_quant.storage_view(key_cache), kv_quant.storage_view(value_cache), out, part_acc, part_ml,
+        block_tables, seq_lens, ks, vs, float(scale),
+        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *scale_strides,
         block_tables.stride(0), block_size, D, keys,
         QUERIES_PER_KV=G, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=splits > 1,
+        KV_FORMAT=kv_quant.kv_format(key_cache),
     )
     if splits > 1:
         _combine_kernel[(B, H)](part_acc, part_ml, out, *out.stride(), splits, D, BLOCK_D=block_d)
@@ -186,11 +203,13 @@ def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
 
 
 def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                 k_scale: torch.Tensor = None, v_scale: torch.Tensor = None) -> torch.Tensor:
     """Decode attention, query [B, H, D] -> out [B, H, D]: ``paged_decode``'s contract, split over the context."""
-    check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, scale, "flash_decode")
+    check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, scale, "flash_decode",
+                        k_scale, v_scale)
     B = query.shape[0]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if B == 0:
         return out
-    return _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    return _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale, v_scale)

@@ -33,11 +33,17 @@ all float32, rescaled whenever the max grows. Nothing of size seq_len is ever
 materialised. Pure-decode steps go to ``flash_decode.py`` instead: full tiles
 and the keys split over several programs ("flash-decoding").
 
+Quantized blocks (fp8 e4m3 / e5m2, int8; ``kv_quant.py``). With ``KV_FORMAT`` != 0 the caches hold codes
+(fp8 as uint8 bits) and k_scale / v_scale their scales (per tensor, or per token and head). K and V tiles
+are loaded as codes and turned into floats in registers; a key's scale multiplies its score column
+(``q . k_code * s_k``) and a value's scale its probability column (``(p * s_v) @ v_code``), so no
+dequantized context exists anywhere. ``KV_FORMAT=0`` compiles the kernel exactly as before.
+
 Shapes: T new tokens in the flat batch, B sequences, H query heads, Hkv KV
 heads, D head dim.
     query [T, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
     block_tables [B, max_blocks] int32/int64; seq_lens [B]; query_start_loc [B+1]
-    tree_bits [T] int64 or None
+    tree_bits [T] int64 or None; k_scale, v_scale None, one float32 each, or [num_blocks, block_size, Hkv]
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from kernels import kv_quant
 
 BLOCK_N = 32          # keys per inner-loop iteration (any cache block size works)
 PREFILL_ROWS = 64     # target rows (token, head) per program when q_len > 1
@@ -58,12 +66,14 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     tree_bits_ptr,                                # [T] int64 tree mask rows (read only if HAS_TREE)
+    k_scale_ptr, v_scale_ptr,                     # a quantized cache's scales (read only if KV_FORMAT)
     scale,
     stride_qt, stride_qh, stride_qd,              # query [T, H, D]
     stride_ot, stride_oh, stride_od,              # out   [T, H, D]
     stride_kb, stride_ks, stride_kh, stride_kd,   # key_cache   [blocks, block_size, Hkv, D]
     stride_vb, stride_vs, stride_vh, stride_vd,   # value_cache [blocks, block_size, Hkv, D]
     stride_bt,                                    # block_tables row stride
+    stride_sb, stride_ss, stride_sh,              # scales [blocks, block_size, Hkv]; 0, 0, 0 per tensor
     block_size, head_dim,
     QUERIES_PER_KV: tl.constexpr,   # G = H // Hkv query heads share one KV head
     BLOCK_Q: tl.constexpr,          # query tokens per program
@@ -72,6 +82,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,          # head_dim rounded up to 2^k, >= 16
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (no TF32 rounding), else "tf32"
     HAS_TREE: tl.constexpr,         # some row has a token-tree mask (tree_bits_ptr is real)
+    KV_FORMAT: tl.constexpr = 0,    # kv_quant's: 0 = the caches are in the query's dtype, 1 e4m3, 2 e5m2, 3 int8
 ):
     seq = tl.program_id(0)          # which sequence of the batch
     q_tile = tl.program_id(1)       # which tile of its new tokens
@@ -135,9 +146,15 @@ def _paged_attention_kernel(
         kT_ptrs = (k_cache_ptr + phys[None, :] * stride_kb + in_block[None, :] * stride_ks
                    + kv_head * stride_kh + offs_d[:, None] * stride_kd)
         kT = tl.load(kT_ptrs, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
+        if KV_FORMAT != 0:
+            # Codes -> floats in registers, exact in the query's dtype (kv_quant.py); the scale comes after the dot
+            kT = kv_quant.codes_to_float(kT, KV_FORMAT).to(q.dtype)
 
         # Scores for every (row, key) pair, float32 accumulation.
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if KV_FORMAT != 0:                                       # q . (k_code * s_k) = s_k * (q . k_code)
+            s = s * kv_quant.load_scales(k_scale_ptr, phys, in_block, kv_head, stride_sb, stride_ss, stride_sh,
+                                         k_valid)[None, :]
         # Causal with the context offset: row at position p sees keys 0..p.
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if HAS_TREE:
@@ -160,8 +177,14 @@ def _paged_attention_kernel(
                   + kv_head * stride_vh + offs_d[None, :] * stride_vd)
         # Here the mask is essential: p = 0 for a hidden key, but 0 * NaN = NaN.
         v = tl.load(v_ptrs, mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if KV_FORMAT != 0:                                       # (p * s_v) @ v_code = p @ (v_code * s_v)
+            v = kv_quant.codes_to_float(v, KV_FORMAT).to(q.dtype)
+            pv = p * kv_quant.load_scales(v_scale_ptr, phys, in_block, kv_head, stride_sb, stride_ss, stride_sh,
+                                          k_valid)[None, :]
+        else:
+            pv = p
         # p goes to the value dtype for the tensor-core dot (as FlashAttention does).
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Normalise; l_i > 0 for every valid row (key 0 is always visible).
@@ -178,7 +201,7 @@ _INTS = (torch.int32, torch.int64)
 
 def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
                        query_start_loc, scale, max_query_len, who="paged_attention",
-                       tree_bits=None) -> int:
+                       tree_bits=None, k_scale=None, v_scale=None) -> int:
     """Raise one clear TypeError/ValueError for bad input; return the max q_len.
 
     Shape and dtype checks cost nothing; the value checks (offsets, lengths,
@@ -205,7 +228,9 @@ def check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
         raise ValueError(f"{who}: block_size {block_size} is not a power of two")
     if query.dtype not in _FLOATS:
         raise TypeError(f"{who}: query dtype {query.dtype} unsupported; use one of {_FLOATS}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    kv_quant.check_scales(key_cache, value_cache, k_scale, v_scale, who)
+    if kv_quant.kv_format(key_cache) == kv_quant.NONE and (key_cache.dtype != query.dtype
+                                                          or value_cache.dtype != query.dtype):
         raise TypeError(f"{who}: query is {query.dtype} but the caches are "
                         f"{key_cache.dtype} / {value_cache.dtype}; they must match")
     for name in ("block_tables", "seq_lens", "query_start_loc"):
@@ -289,25 +314,26 @@ def _tiles(max_q_len: int, queries_per_kv: int):
 
 
 def _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale, max_q_len, out, tree_bits=None):
+            scale, max_q_len, out, tree_bits=None, k_scale=None, v_scale=None):
     """Launch the kernel on already-checked inputs (the benchmark times this)."""
     T, H, D = query.shape
     Hkv = key_cache.shape[2]
     G = H // Hkv
     block_q, block_m = _tiles(max_q_len, G)
+    ks, vs, *scale_strides = kv_quant.scale_args(k_scale, v_scale, seq_lens)
     grid = (seq_lens.shape[0], triton.cdiv(max_q_len, block_q), Hkv)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out,
+        query, kv_quant.storage_view(key_cache), kv_quant.storage_view(value_cache), out,
         block_tables, seq_lens, query_start_loc,
         seq_lens if tree_bits is None else tree_bits,     # a pointer never read when HAS_TREE is False
-        float(scale),
+        ks, vs, float(scale),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
-        block_tables.stride(0),
+        block_tables.stride(0), *scale_strides,
         key_cache.shape[1], D,
         QUERIES_PER_KV=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_TREE=tree_bits is not None,
+        HAS_TREE=tree_bits is not None, KV_FORMAT=kv_quant.kv_format(key_cache),
     )
     return out
 
@@ -316,7 +342,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     max_query_len: Optional[int] = None, *,
-                    tree_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    tree_bits: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of the flat batch's queries over the paged KV cache.
 
     query [T, H, D] -> out [T, H, D] (query dtype). Sequence b's queries are rows
@@ -325,11 +352,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_tables[b]. max_query_len, if given, must be >= every q_len.
     tree_bits [T] int64, if given: row t sees this step's token i only if bit i is set
     (a token tree's mask, ``minibatch/kv/tree.py``'s mask_bits; -1 = causal).
+    k_scale, v_scale: a quantized cache's scales (fp8, int8; one float32 each or [num_blocks, block_size, Hkv]).
     """
     max_q = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens,
-                               query_start_loc, scale, max_query_len, tree_bits=tree_bits)
+                               query_start_loc, scale, max_query_len, tree_bits=tree_bits,
+                               k_scale=k_scale, v_scale=v_scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0 or max_q == 0:
         return out
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                   scale, max_q, out, tree_bits=tree_bits)
+                   scale, max_q, out, tree_bits=tree_bits, k_scale=k_scale, v_scale=v_scale)

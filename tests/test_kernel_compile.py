@@ -10,7 +10,9 @@ byte alignment is what a model of that dtype has), with the kernels' launches ca
 caught launch goes through Triton's own specialisation (the binder that ``JITFunction.run`` builds, with the
 CUDA backend): dtypes, constexprs, arguments equal to 1, 16-divisible pointers and integers, exactly as on a GPU.
 The launchers are also called at the kernel tests' GQA/MQA layouts (the shipped models have none).
-Exercise 9's launcher is recorded too; its kernel is the student's, so the reference it stands for
+Quantized caches (fp8 e4m3 / e5m2, int8; scales per tensor and per token-head) are launched at a GQA layout for
+every kernel (``quant_launches``): their variants (``KV_FORMAT``) are compiled too. Exercise 9's launcher is
+recorded too; its kernel is the student's, so the reference it stands for
 (``kernels/paged_decode.py``, the same parameters) is compiled at its launches.
 
 Each unique specialisation is then compiled by ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 or
@@ -116,6 +118,37 @@ def gqa_calls():
     return out
 
 
+# (kv_cache_dtype, scale granularity, query dtype): every format per token-head in fp16, per tensor, bf16 and fp32
+QUANT = [(f, "per_token_head", torch.float16) for f in ("fp8_e4m3", "fp8_e5m2", "int8")] + [
+    ("fp8_e4m3", "per_tensor", torch.float16), ("fp8_e5m2", "per_token_head", torch.bfloat16),
+    ("int8", "per_tensor", torch.float32)]
+
+
+def quant_launches() -> None:
+    """Every kernel on a quantized cache (launches caught by ``Catch``): the store, paged attention with and
+    without a tree, flash decode split and not, paged decode; H 8, Hkv 2, D 64, block size 16."""
+    from kernels.flash_decode import _launch_decode
+    from kernels.paged_attention import _launch
+    from kernels.paged_decode import paged_decode
+    from kernels.store_kv import launch_store_kv
+    from minibatch.kv import quant
+    from test_kernels import make_batch
+    for name, granularity, dt in QUANT:
+        b = make_batch([1, 12, 5], [50, 30, 23], 16, 8, 2, 64, dtype=dt)
+        kc, vc = (torch.zeros(b["key_cache"].shape, dtype=quant.storage_dtype(name)) for _ in range(2))
+        ks, vs = (torch.ones(1) if granularity == "per_tensor" else torch.ones(kc.shape[:3]) for _ in range(2))
+        sc = dict(k_scale=ks, v_scale=vs)
+        launch_store_kv(b["query"][:, :2], b["query"][:, 2:4], kc, vc, b["query_start_loc"][1:].long(), **sc)
+        args = (b["query"], kc, vc, b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1, 12,
+                torch.empty_like(b["query"]))
+        for tree in (None, torch.full((18,), -1, dtype=torch.int64)):
+            _launch(*args, tree_bits=tree, **sc)
+        d = make_batch([1, 1], [40, 9], 16, 8, 2, 64, dtype=dt)
+        for width in (d["block_tables"][:, :3], d["block_tables"][:, :1].repeat(1, 20)):     # one split, and several
+            _launch_decode(d["query"], kc, vc, width, d["seq_lens"], 0.1, torch.empty_like(d["query"]), **sc)
+        paged_decode(d["query"], kc, vc, d["block_tables"], d["seq_lens"], 0.1, **sc)
+
+
 def ex9_calls():
     """Exercise 9's launcher at the graded test's layouts: MHA/GQA/MQA, int32/int64 tables, D 24/64."""
     sys.path.insert(0, str(ROOT / "tests" / "exercises"))
@@ -215,6 +248,8 @@ def specs(target_model, draft_model):
             for dt in DTYPES:
                 getattr(importlib.import_module(m), LAUNCHERS[m])(*(in_dtype(a, dt) for a in args),
                                                                   **{k: in_dtype(v, dt) for k, v in kwargs.items()})
+        if ("kernels.paged_decode", "_paged_decode_kernel") in ours:          # not in a student release
+            quant_launches()
         ex9 = importlib.import_module(EX9[0])
         for args in ex9_calls() if ref in ours else ():
             for dt in DTYPES:
@@ -240,6 +275,11 @@ def test_specialisations_cover_every_kernel_dtype_and_path(specs):
     flags = {dict((tuple(p), v) for p, v in s["constexprs"]).get((_arg("HAS_TREE"),)) for s in specs
              if s["kernel"][1] == "_paged_attention_kernel"}
     assert flags == {True, False}, "trees (HAS_TREE) and plain prefill/verify both compiled"
+    if ("kernels.paged_decode", "_paged_decode_kernel") in present():  # every kernel in every quantized format
+        formats = {(s["kernel"][1], dict((tuple(p), v) for p, v in s["constexprs"]).get(
+            (_arg("KV_FORMAT", *s["kernel"]),))) for s in specs if s["kernel"][1] != "_combine_kernel"}
+        for _, name in [k for k in present() if k[1] != "_combine_kernel"]:
+            assert {f for n, f in formats if n == name} == {0, 1, 2, 3}, f"{name}: {formats}"
     splits = {dict((tuple(p), v) for p, v in s["constexprs"]).get((_arg("SPLIT", "kernels.flash_decode",
                                                                         "_flash_decode_kernel"),))
               for s in specs if s["kernel"][1] == "_flash_decode_kernel"}

@@ -4,12 +4,13 @@ Two steps through ``PagedAttention`` on a quantized pool (fp8 e4m3, e5m2, int8; 
 head)): first every sequence's context is prefilled, then a step of decodes, a chunk and a verify chain. Then:
 * the pool holds exactly what ``quant.quantize`` makes of the K/V with the right scales (so the store quantized,
   and per (token, head) wrote each row's scale at its slot);
-* each backend of QUANTIZED_BACKENDS ("loop", "batched", "cpu"; with and without debug checks) equals a float64
+* each backend of QUANTIZED_BACKENDS ("loop", "batched", "cpu", "triton"; with and without debug checks) equals a float64
   oracle run on the dequantized blocks, to float32's tolerance (it dequantizes inside its loop, in float32);
 * that answer is close to attention on the unquantized K/V (the format's error, not garbage).
 And: blocks copied (copy-on-write, a tree's path) carry their scales; bytes per block count them; calibration sets
 a layer's scales from its first batch only; bad combinations are refused with a clear error.
 """
+
 import pytest
 import torch
 
@@ -174,10 +175,6 @@ def test_calibration_sets_a_layers_scales_from_its_first_batch_only():
 def test_bad_combinations_are_refused_clearly(monkeypatch):
     cache, tables, K, V, q = make_cache("fp8_e4m3", "per_tensor")
     md = AttentionMetadata.build(tables, CONTEXT, NEW, BS)
-    not_yet = [b for b in ("triton",) if b not in backends.QUANTIZED_BACKENDS]       # those that cannot read it
-    for backend in not_yet:
-        with pytest.raises(ValueError, match=r"'fp8_e4m3' is read by the attention backends \['loop', 'batched'"):
-            PagedAttention(cache, md, backend)
     with pytest.raises(ValueError, match="kv_cache_dtype.*choose one of"):
         KVCache(1, 4, BS, HKV, D, kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="calculate_kv_scales"):

@@ -12,6 +12,7 @@ context offset, grouped-query heads and a token tree's mask (``loop.py`` states 
                (gather indices, masks) is built once per step, not per layer (``plan.py``, the shared plan).
   "triton"  -- ``triton.py``: ``kernels.paged_attention`` reads blocks in place with an online softmax;
                pure-decode steps go to ``kernels.flash_decode`` (full tiles, the context split over programs).
+               Quantized blocks are decoded in registers (``kernels/kv_quant.py``).
   "cpu"     -- ``cpu.py``, the default on a CPU (``attention.default_backend``): a small C++ operator
                (``cpu_kernel.py``, vLLM's CPU attention, compiled at first use) that reads the blocks in place
                with an online softmax, OpenMP over (sequence, KV head), for the rows of up to ``cpu.LONG_QUERY``
@@ -36,8 +37,8 @@ from minibatch.kv.backends.cpu import paged_attention_cpu
 from minibatch.kv.backends.loop import paged_attention_loop, store_kv_torch
 from minibatch.kv.checks import check_accepts
 
-# The backends that read quantized blocks (kv/quant.py) so far; "triton" will (the quantized-KV issue)
-QUANTIZED_BACKENDS = ("loop", "batched", "cpu")
+# The backends that read quantized blocks (kv/quant.py): every one, each dequantizing inside its own loop or kernel
+QUANTIZED_BACKENDS = ("loop", "batched", "cpu", "triton")
 
 # (the modules loop, batched, cpu, cpu_kernel, plan and triton are attributes too, left out of a star import: one
 # named triton would shadow Triton itself)
@@ -86,9 +87,10 @@ def get(backend: str, checked: bool = False):
         except ImportError as e:
             raise ImportError(f"the 'triton' backend needs the kernels package and Triton: {e}") from e
         if checked:                               # the public, checked kernel (ex9 hands its decodes to a student's)
-            return kernels.store_kv, lambda q, kc, vc, md, s: kernels.paged_attention(
-                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md))
-        return triton._triton_store, lambda q, kc, vc, md, s: triton._triton_attend(q, kc, vc, md, s)   # patchable
+            return kernels.store_kv, lambda q, kc, vc, md, s, **kv: kernels.paged_attention(
+                q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc, s, **_tree(md),
+                **_scales(kv, kernels.paged_attention))
+        return triton._triton_store, lambda q, kc, vc, md, s, **kv: triton._triton_attend(q, kc, vc, md, s, **kv)  # patchable
     if checked:
         attend = loop.paged_attention_loop if backend == "loop" else batched.paged_attention_batched
         return store_kv_torch, _checked(attend)
