@@ -79,7 +79,8 @@ def _schema_only(literal: str) -> str:
     """The C++ source of ``minibatch/kv/backends/cpu_kernel.py`` (a string literal) cut down to its operator's schema
     (``TORCH_LIBRARY_FRAGMENT``): a literal of a source that registers the operator and computes nothing."""
     import re
-    source = ast.literal_eval(literal)
+    tree = ast.parse(literal.strip(), mode="eval")     # a literal, or cpu_quant.SOURCE + a literal: its strings
+    source = "".join(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
     m = re.search(r"TORCH_LIBRARY_FRAGMENT\(minibatch, m\) \{.*?\n\}", source, re.S)
     if m is None:
         raise ValueError("minibatch/kv/backends/cpu_kernel.py: SOURCE has no TORCH_LIBRARY_FRAGMENT(minibatch, m) { ... }")
@@ -108,8 +109,9 @@ _PAGED_ATTENTION_ELSEWHERE = (
     # the C++ source keeps only the operator's schema: it still builds (or says why not, as before), and the
     # Python entry points below compute through the student's function
     ("minibatch.kv.backends.cpu_kernel", "SOURCE", lambda value: _schema_only(value)),
+    ("minibatch.kv.backends.cpu_quant", "SOURCE", "''"),
     ("minibatch.kv.backends.cpu", "paged_attention_cpu",
-     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_cpu'")),
+     _THROUGH_2.format(", tree_bits=tree_bits, who='paged_attention_cpu', k_scale=k_scale, v_scale=v_scale")),
     ("minibatch.kv.backends.cpu", "attend", "exercises.attention_through(query, key_cache, value_cache, "
                                             "md.block_tables, md.seq_lens, md.query_start_loc, scale, "
                                             "tree_bits=md.tree_bits)"),
