@@ -84,6 +84,19 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
+def cpu_op():
+    """The C++ CPU attention operator (kv/backends/cpu_kernel.py), built once; a skip saying why where it cannot be."""
+    import warnings
+    from minibatch.kv.backends import cpu_kernel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = cpu_kernel.load()
+    if got is None:
+        pytest.skip(f"the C++ operator cannot be built here: {[str(w.message) for w in caught]}")
+    return got
+
+
+@pytest.fixture(scope="session")
 def target_model():
     from minibatch.model.weights import load_model
     return load_model("target", device="cpu")

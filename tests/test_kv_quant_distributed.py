@@ -93,8 +93,7 @@ def test_a_handoff_between_other_per_tensor_scales_is_requantized(target_model):
     assert (pre.kv_cache.scales != 1).all() and (dec.kv_cache.scales == 1).all()
     sent = payload.kv.to(torch.float32) * payload.scales[:, :, None, None, None]       # [L, 2, n, Hkv, D]
     L, _, N, bs, H, D = dec.kv_cache.kv.shape
-    table = dec.allocator.block_table("p") if dec.allocator.has_seq("p") else tr.dst_blocks
-    slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(tr.num_tokens)])
+    slots = torch.tensor([tr.dst_blocks[i // bs] * bs + i % bs for i in range(tr.num_tokens)])   # (freed, unwritten)
     got = dec.kv_cache.kv.view(L, 2, N * bs, H, D)[:, :, slots].to(torch.float32)    # scale 1.0
     rel, abs_ = quant.round_trip_bound("fp8_e4m3")
     assert ((got - sent).abs() <= torch.maximum(rel * sent.abs(), torch.tensor(abs_)) + 1e-7).all()
