@@ -92,7 +92,8 @@ def _one(k, v, q, scale):
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["engine path", "debug checks"])
-@pytest.mark.parametrize("backend", backends.QUANTIZED_BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.interpreter) if b == "triton" else b
+                                     for b in backends.QUANTIZED_BACKENDS])     # CPU tensors: the interpreter
 @pytest.mark.parametrize("dtype, granularity", MODES)
 def test_a_backend_equals_float64_on_the_dequantized_blocks(dtype, granularity, backend, debug):
     cache, tables, K, V, q = make_cache(dtype, granularity)
