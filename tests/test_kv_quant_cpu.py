@@ -75,20 +75,26 @@ def test_the_cpp_store_is_bit_exact_with_the_torch_store(op, dtype, granularity,
         assert b.scales[0, 0].reshape(-1, Hkv)[3, 1] == 1.0                      # the all-zero row's scale
 
 
+@pytest.mark.parametrize("D", [256, 24, 13], ids=["16 wide", "16 + 8 wide", "8 wide + scalar tail"])
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_every_fp8_code_decodes_as_torch(op, dtype):
-    """One position of context, D = 256 holding every code: the output is that V row decoded, exactly."""
+def test_every_fp8_code_decodes_as_torch(op, dtype, D):
+    """One position of context whose V row holds D codes: the output is that row decoded, exactly. Every code is
+    read at every D, so each of the operator's decode paths (16 and 8 codes through a half where the CPU has F16C,
+    the scalar tail, the scalar decode elsewhere) reads all 256."""
     st = quant.storage_dtype(dtype)
     codes = torch.arange(256, dtype=torch.uint8)
-    kc = torch.zeros(1, 1, 1, 256, dtype=torch.uint8).view(st)
-    vc = codes.view(1, 1, 1, 256).clone().view(st)
     one = torch.ones((), dtype=torch.float32)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)                          # noqa: E731
-    out = op(torch.zeros(1, 1, 256), kc, vc, i32([0]), i32(1), i32(0, 1), 1.0, None, one, one)[0, 0]
-    want = codes.view(st).float()
-    finite = torch.isfinite(want)
-    assert torch.equal(out[finite], want[finite])         # (-0 reads 0: the accumulator starts at +0)
-    assert bool(torch.isfinite(out).all())                # the codes the clamping store never writes read finite
+    kc = torch.zeros(1, 1, 1, D, dtype=torch.uint8).view(st)
+    for start in range(0, 256, D):
+        row = codes[start:start + D]
+        row = torch.cat([row, codes[:D - len(row)]])                             # the last window wraps round
+        vc = row.view(1, 1, 1, D).clone().view(st)
+        out = op(torch.zeros(1, 1, D), kc, vc, i32([0]), i32(1), i32(0, 1), 1.0, None, one, one)[0, 0]
+        want = row.view(st).float()
+        finite = torch.isfinite(want)
+        assert torch.equal(out[finite], want[finite]), start    # (-0 reads 0: the accumulator starts at +0)
+        assert bool(torch.isfinite(out).all())            # the codes the clamping store never writes read finite
 
 
 H, HKV, D, BS = 4, 2, 32, 4

@@ -90,7 +90,7 @@ def _propose_time(traces, cm=None) -> float:
     return sum(ps) / len(ps) if ps else 0.0
 
 
-HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>9}{'passes':>7}{'tok/s':>8}{'base':>7}"
+HEADER = (f"{'entropy':<8}{'batch':>6}{'method':>11}{'k':>3}{'+params':>10}{'passes':>7}{'tok/s':>8}{'base':>7}"
           f"{'speedup':>8}{'spread':>11}{'alpha':>6}{'tau':>6}{'formula':>8}{'out/fwd':>8}{'cost':>6}{'predicted':>10}"
           f"  alpha by position")
 
@@ -118,7 +118,7 @@ def bench_row(model, draft, method, k, prompts, params, bs, repeats, label, plai
                speedup=tps / base, spread=(min(ratios), max(ratios)), alpha=alpha,
                alpha_by_position=st.get("acceptance_by_position", []), tau=tau, formula=formula,
                out_per_fwd=st.get("tokens_per_decode_forward") or 1.0, cost=cost, predicted=predicted)
-    print(f"{label:<8}{bs:>6}{method:>11}{k:>3}{n_params:>9,}{passes:>7}{tps:>8.1f}{base:>7.1f}{tps / base:>8.2f}"
+    print(f"{label:<8}{bs:>6}{method:>11}{k:>3}{n_params:>10,}{passes:>7}{tps:>8.1f}{base:>7.1f}{tps / base:>8.2f}"
           f" {f'{min(ratios):.2f}-{max(ratios):.2f}':>10}{alpha:>6.2f}{tau:>6.2f}{formula:>8.2f}"
           f"{row['out_per_fwd']:>8.2f}{cost:>6.2f}{predicted:>10.2f}  {by_pos}", flush=True)
     return row

@@ -1,6 +1,6 @@
 """The C++ operator's store, and its quantized KV blocks (``kv/quant.py``): how it reads and writes fp8 and int8.
 
-``cpu_kernel.SOURCE`` begins with this module's ``SOURCE``, a fragment of C++ with three parts:
+``cpu_kernel.SOURCE`` begins with this module's ``SOURCE``, a fragment of C++ in four parts:
 
 * **Decode** (``LoadInt8``, ``LoadE4M3``, ``LoadE5M2``; ``Plain<T>`` for an unquantized cache): one stored byte
   -> a float, branch-free integer arithmetic that GCC vectorises. The kernel decodes one block at a time
@@ -27,10 +27,20 @@
 The scales reach the kernel as ``scale_mode`` (0: none, 1: per tensor, 2: per token and head). Per tensor, the
 K scale is folded into the scaled query and the V scale into the final 1/l: no multiply per element.
 
-What it costs (``python -m minibatch.bench attention --kv-dtypes``, batch-16 decode, one thread): int8 reads a
-quarter of fp32's bytes and decodes in two vector instructions, and is faster than fp32 from context 1024 on;
-fp8's decode takes about a dozen per 16 values, which costs more than the bytes it saves (about 1.5x fp32's
-time) where H = Hkv; with grouped-query heads the one decode per block serves all G heads.
+* **Through a half** (``fp8x16_through_half``, ``fp8x8_through_half``), where the CPU converts halves in
+  hardware (x86's F16C, which every AVX2 CPU has): e5m2 *is* a half's top byte (5 exponent bits, bias 15), and
+  e4m3's 7 magnitude bits shifted up by 7 are a half whose exponent field holds e4m3's, so the half reads the value
+  / 2^(15 - 7). So 16 codes take a widening load, three integer ops on 16-bit lanes, one ``vcvtph2ps`` and one
+  multiply (the block's scale, times 2^8 for e4m3): the same floats, bit for bit, as the scalar decode (both are
+  exact, and the factors are powers of two), which ``decode_block`` still runs for a row's tail past a multiple of
+  8 and on CPUs without F16C. e5m2's inf and NaN codes are moved one binade down, finite (the store never writes
+  them).
+
+What it costs (``python -m minibatch.bench attention --kv-dtypes``, batch-16 decode, one thread, a busy 2-core
+Xeon with AVX-512): int8 reads a quarter of fp32's bytes and decodes in two vector instructions, 0.80x fp32's time
+at context 1024 and 0.69x at 2048. fp8 through a half: 0.94x (0.94-0.99) at 1024, 0.82x (0.79-0.83) at 2048; the
+scalar decode it replaced took about a dozen vector instructions per 16 values and 1.55x fp32's time. With
+grouped-query heads the one decode per block serves all G heads.
 """
 from __future__ import annotations
 
@@ -45,6 +55,10 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#if defined(__F16C__) && defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -63,6 +77,7 @@ struct LoadInt8 {                                    // symmetric int8: the step
 // fp8 with M mantissa bits and exponent bias BIAS (e4m3: 3, 7; e5m2: 2, 15), as the module docstring derives
 template <int M, int BIAS> struct LoadFp8 {
   using cache_t = uint8_t;
+  static constexpr int mantissa = M;
   template <typename acc_t> static inline acc_t at(const uint8_t* p, int d) {
     const int32_t x = p[d], mag = x & 0x7F;
     const int32_t normal = (mag << (23 - M)) + ((127 - BIAS) << 23);
@@ -75,11 +90,67 @@ template <int M, int BIAS> struct LoadFp8 {
 using LoadE4M3 = LoadFp8<3, 7>;
 using LoadE5M2 = LoadFp8<2, 15>;
 
+#if defined(__F16C__) && defined(__SSE4_1__)
+// Through a half: where the CPU converts halves in hardware (F16C), 8 fp8 codes at p become 8 half bit patterns
+// in integer lanes, one vcvtph2ps makes them floats, and one multiply applies mul. e5m2 is a half's top byte (the
+// same 5 exponent bits and bias 15); its inf/NaN codes, which the clamping store never writes, are moved down a
+// binade so that they read finite. e4m3's 4 exponent bits sit in the half's exponent field as they are, so the
+// half is the value / 2^(15 - 7), and the caller's mul carries the 2^8.
+template <int M> inline __m256 fp8x8_through_half(const uint8_t* p, __m256 mul) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));   // 8 x u16
+  __m128i h;
+  if constexpr (M == 2) {
+    h = _mm_slli_epi16(x, 8);
+    const __m128i top = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7C00)), _mm_set1_epi16(0x7C00));
+    h = _mm_sub_epi16(h, _mm_and_si128(top, _mm_set1_epi16(0x0400)));
+  } else {
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7),
+                     _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+  }
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), mul);
+}
+#if defined(__AVX512F__) && defined(__AVX2__)
+template <int M> inline __m512 fp8x16_through_half(const uint8_t* p, __m512 mul) {           // the same, 16 wide
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));   // 16 x u16
+  __m256i h;
+  if constexpr (M == 2) {
+    h = _mm256_slli_epi16(x, 8);
+    const __m256i top = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7C00)), _mm256_set1_epi16(0x7C00));
+    h = _mm256_sub_epi16(h, _mm256_and_si256(top, _mm256_set1_epi16(0x0400)));
+  } else {
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7),
+                        _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  }
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
+}
+#endif
+template <typename Ld> struct IsFp8 : std::false_type {};
+template <int M, int B> struct IsFp8<LoadFp8<M, B>> : std::true_type {};
+#endif
+
 // One block's nk rows [D] (row t at src + t * stride) decoded into buf [nk, D] in acc_t by the Loader
 // (cpu_quant.py), times row t's own scale where there is one per (token, head) (scale + t * Hkv).
 template <typename Ld, typename acc_t>
 void decode_block(const typename Ld::cache_t* src, int64_t stride, const float* scale, int Hkv, int nk, int D,
                   acc_t* buf) {
+#if defined(__F16C__) && defined(__SSE4_1__)
+  if constexpr (IsFp8<Ld>::value && std::is_same_v<acc_t, float>) {     // the same floats, bit for bit, faster
+    constexpr float to_value = Ld::mantissa == 3 ? 256.0f : 1.0f;
+    for (int t = 0; t < nk; ++t) {
+      const float st = scale ? scale[t * Hkv] : 1.0f;
+      const __m256 mul = _mm256_set1_ps(st * to_value);
+      const uint8_t* row = src + t * stride;
+      int d = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+      const __m512 mul16 = _mm512_set1_ps(st * to_value);
+      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(buf + t * D + d, fp8x16_through_half<Ld::mantissa>(row + d, mul16));
+#endif
+      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + t * D + d, fp8x8_through_half<Ld::mantissa>(row + d, mul));
+      for (; d < D; ++d) buf[t * D + d] = Ld::template at<float>(row, d) * st;
+    }
+    return;
+  }
+#endif
   for (int t = 0; t < nk; ++t) {
     const acc_t st = scale ? static_cast<acc_t>(scale[t * Hkv]) : 1;
     const typename Ld::cache_t* row = src + t * stride;
