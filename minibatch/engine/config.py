@@ -142,7 +142,10 @@ class EngineConfig:
             return
         conflicts = [(self.scheduling == "static", "scheduling='static' (the static baseline has no placeholders)"),
                      (self.speculative_config is not None, "speculative_config (drafts for step N+1 are proposed "
-                      "from step N's tokens, which are not known when step N+1 is scheduled; not supported yet)"),
+                      "from step N's tokens, which are not known when step N+1 is scheduled; vLLM 0.32 overlaps "
+                      "speculation only where the drafts are made on the device inside the step (EAGLE, "
+                      "draft_model, ngram_gpu) and turns async scheduling off for its CPU n-gram; minibatch's "
+                      "proposers run on the host after the step: not supported yet)"),
                      (self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (the workers' message loop is one "
                       "step at a time)"),
                      (self.disaggregated, "disaggregated=True (each instance steps alone)")]
