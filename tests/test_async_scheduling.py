@@ -78,6 +78,30 @@ def test_the_forward_overlaps_the_next_schedule(target_model):
     assert all(t[i + 1].schedule_span[0] >= t[i].forward_span[1] for i in range(len(t) - 1))   # sync: in turn
 
 
+@pytest.mark.parametrize("backend", ["loop", "cpu"])
+def test_greedy_steps_chain_on_the_model_thread(target_model, sync_runs, backend, monkeypatch):
+    """Greedy steps that need no sequence to sample are taken on the model's thread and the next step is queued
+    behind them, its placeholders filled there (Engine._fill_from): most steps go that way, under preemption,
+    chunked prefill and prefix hits, and the tokens are the synchronous engine's. A step whose rows do need the
+    CPU (seeded sampling, penalties) never chains."""
+    from minibatch.engine.engine import LLMEngine
+    fills, fill_from = [], LLMEngine._fill_from
+
+    def counted(prev, nxt):
+        got = fill_from(prev, nxt)
+        fills.append(got)
+        return got
+    monkeypatch.setattr(LLMEngine, "_fill_from", staticmethod(counted))
+    toks, rec = _run(target_model, CASES["greedy"], attention_backend=backend, async_scheduling=True, **TIGHT)
+    assert toks == sync_runs["greedy"]
+    chained = [f for f in fills if f]
+    assert len(chained) >= len(rec.traces) // 2, (len(chained), len(rec.traces))
+    assert sum(len(f) for f in chained) > 2 * len(chained)          # batches of several placeholders each
+    fills.clear()
+    toks, _ = _run(target_model, CASES["seeded+penalties+stop"], async_scheduling=True, **TIGHT)
+    assert toks == sync_runs["seeded+penalties+stop"] and not fills
+
+
 def test_the_update_span_holds_the_sampling(target_model, monkeypatch):
     """Under async the sampler runs on the CPU after the forward (ModelRunner.finish): it is in the step's update
     span, so the CPU lane shows it (it once fell between the spans, drawn as idle)."""

@@ -23,7 +23,7 @@ import torch
 from minibatch.sampling import logprobs
 from minibatch.engine.config import EngineConfig
 from minibatch.engine.cuda_graphs import make_graph_runner
-from minibatch.engine.async_scheduler import AsyncScheduler
+from minibatch.engine.async_scheduler import PLACEHOLDER, AsyncScheduler
 from minibatch.engine.memory_hierarchy import MemoryHierarchy
 from minibatch.engine.model_runner import ModelRunner
 from minibatch.engine.outputs import RequestOutput, request_output
@@ -279,7 +279,12 @@ class LLMEngine:
         """One turn of the batch queue: schedule N+1 (N's forward still running), sample N, resolve N's
         placeholders, launch N+1's forward on the model's thread, then update with N while it runs. Returns step
         N's outputs; N+1's come with the next call. An exception in a forward is raised by the call that waits
-        for it, as that step's error."""
+        for it, as that step's error.
+
+        Where step N's tokens are greedy and need no sequence to take (``ModelRunner.greedy_on_worker``), the
+        model's thread takes them right after N's forward and N+1 is queued behind N before the CPU waits for
+        it: N+1's placeholders are filled there from N's tokens (vLLM's worker scatters its sampled tokens into
+        the next step's inputs on the device), so N+1's forward starts as soon as N's ends."""
         sched, runner = self.scheduler, self.model_runner
         t0, cpu0 = time.perf_counter(), time.process_time()
         if self._in_flight is not None and self._needs_grammar():
@@ -288,22 +293,47 @@ class LLMEngine:
         prepared = runner.prepare(nxt) if nxt.scheduled else None
         t1 = time.perf_counter()
         done, self._in_flight = self._in_flight, None
+        launched, greedy = None, bool(nxt.scheduled) and runner.greedy_on_worker(nxt)
+        if nxt.scheduled and done is not None and done[4]:
+            fill = self._fill_from(done[0], nxt)
+            if fill is not None:                      # N+1 behind N on the model's thread, its tokens from N's
+                ids = [t for s in nxt.scheduled for t in s.input_token_ids]
+                launched = self._launch(nxt, prepared, ids, greedy, (fill, done[2]))
         sampled = self._sample_in_flight(done) if done is not None else None
         if nxt.scheduled:
-            ids = [t for s in nxt.scheduled for t in s.input_token_ids]
-            self._in_flight = (nxt, prepared, self._launch(nxt, prepared, ids), (t0, t1))
+            if launched is None:
+                ids = [t for s in nxt.scheduled for t in s.input_token_ids]
+                launched = self._launch(nxt, prepared, ids, greedy)
+            self._in_flight = (nxt, prepared, launched, (t0, t1), greedy)
         elif done is None and sched.has_unfinished():
             raise RuntimeError("the scheduler could schedule nothing while requests wait: the cache or the "
                                "token budget is too small for any of them")
         return [] if sampled is None else self._update_in_flight(*sampled, cpu0)
 
+    @staticmethod
+    def _fill_from(prev, nxt) -> Optional[list]:
+        """[(position in N+1's flat input ids, row of N's batch)] for each of N+1's placeholders, all of which
+        must be tokens step N samples; None where one is not (then N+1 waits for the CPU's resolve)."""
+        where = {s.seq.seq_id: b for b, s in enumerate(prev.scheduled) if s.placeholder_index is not None}
+        fill, pos = [], 0
+        for s in nxt.scheduled:
+            ids = s.input_token_ids
+            for j, t in enumerate(ids):
+                if t == PLACEHOLDER:
+                    b = where.get(s.seq.seq_id)
+                    if b is None or s.num_computed_before + j != prev.scheduled[b].placeholder_index:
+                        return None
+                    fill.append((pos + j, b))
+            pos += len(ids)
+        return fill
+
     def _sample_in_flight(self, done) -> tuple:
         """Wait for a step in flight (its error, if any, is raised here), sample it and resolve its placeholders.
         Returns (its scheduler output, its runner output, (schedule span, forward span, update start))."""
-        out, prep, future, t_sched = done
-        result, t_forward = future.result()
+        out, prep, future, t_sched, _ = done
+        result, greedy, t_forward = future.result()
         t2 = time.perf_counter()                      # the update span starts here: sampling is the CPU's work
-        runner_output = self.model_runner.finish(out, prep, result)
+        runner_output = self.model_runner.finish(out, prep, result, greedy)
         self.scheduler.resolve(out, runner_output)
         return out, runner_output, (t_sched, t_forward, t2)
 
@@ -317,12 +347,19 @@ class LLMEngine:
                                   {"schedule_span": t_sched, "forward_span": t_forward,
                                    "update_span": (t2, time.perf_counter())})
 
-    def _launch(self, out, prepared, ids):
-        """Step N+1's copies and forward on the model's thread; its future gives (result, (start, end))."""
+    def _launch(self, out, prepared, ids, greedy: bool, fill=None):
+        """Step N+1's copies and forward on the model's thread; its future gives (result, its greedy tokens or
+        None, (start, end)). With ``fill`` = (positions, step N's future), N+1's placeholders are first filled
+        from N's greedy tokens (N ran before it on this thread, so its future is done)."""
         def run():
             start = time.perf_counter()
+            if fill is not None:
+                prev = fill[1].result()[1]
+                for pos, b in fill[0]:
+                    ids[pos] = prev[b]
             result = self.model_runner.launch(out, prepared, ids)
-            return result, (start, time.perf_counter())
+            tokens = self.model_runner.greedy_tokens(prepared, result) if greedy else None
+            return result, tokens, (start, time.perf_counter())
         return self._model_thread.submit(run)
 
     def _needs_grammar(self) -> bool:

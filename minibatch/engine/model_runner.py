@@ -109,13 +109,37 @@ class ModelRunner:
         self._copies(out)
         return self._forward(input_ids, attn, logits_idx, None, batch, None)
 
+    def greedy_on_worker(self, out) -> bool:
+        """Can step ``out``'s tokens be taken on the model's thread, right after its forward, where vLLM's worker
+        samples (and keeps them on the device for the next step's inputs)? Only where taking them reads no
+        sequence: every row greedy, with no sampling control, grammar, logprobs, drafts or forks pending, and
+        the reference sampler (a student's sampler is always the one called, on the CPU thread)."""
+        return type(self.sampler) is Sampler and self.rejection_sampler is None and all(
+            s.seq.params.greedy and not s.seq.params.has_controls and s.seq.grammar is None
+            and s.seq.params.logprobs is None and s.seq.params.prompt_logprobs is None
+            and not s.spec_token_ids and not s.seq.num_forks_pending for s in out.scheduled)
+
+    @staticmethod
+    def greedy_tokens(prepared, result) -> list:
+        """The step's greedy tokens, one per scheduled sequence (None where it samples nothing: mid-prefill), as
+        the CPU thread's ``Sampler`` takes them: argmax of the float logits of each sequence's one row."""
+        rows, logits = prepared[2], result[0] if isinstance(result, tuple) else result
+        idx = [r[0] for r in rows if r]
+        best = iter(logits.float()[idx].argmax(-1).tolist() if idx else [])
+        return [next(best) if r else None for r in rows]
+
     @torch.inference_mode()
-    def finish(self, out, prepared, result) -> ModelRunnerOutput:
-        """The CPU's part after the forward: the sampler (on the CPU thread: it reads the sequences)."""
+    def finish(self, out, prepared, result, greedy: Optional[list] = None) -> ModelRunnerOutput:
+        """The CPU's part after the forward: the sampler (on the CPU thread: it reads the sequences), or, where
+        the model's thread took the greedy tokens (``greedy_tokens``), those."""
         attn, _, rows, _ = prepared
         qsl = [0]
         for n in attn.metadata.query_lens_list:
             qsl.append(qsl[-1] + n)
+        if greedy is not None:
+            B = len(out.scheduled)
+            return ModelRunnerOutput([[] if t is None else [t] for t in greedy[:B]], [0] * B, [[] for _ in range(B)],
+                                     {}, rows, qsl[: B + 1], [[] for _ in range(B)])
         return self._finish(out, attn, rows, qsl, result)
 
     def _finish(self, out, attn, rows, qsl, result) -> ModelRunnerOutput:
