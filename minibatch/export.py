@@ -13,8 +13,11 @@ transformers' GPT-2 stores those projections as ``Conv1D`` (y = x W + b, W [in, 
 stores W [out, in], so their weights transpose. tanh-GELU is HF's ``"gelu_new"``; the LayerNorm eps is
 copied (nn.LayerNorm's 1e-5, not GPT2Config's default); dropout is 0. The Llama (``model/llama.py``) uses
 Hugging Face's module names and rotary convention already, so its conversion is a prefix (``model.``) and its
-config's field names. A byte model has no tokenizer files:
-its token ids are the bytes (``minibatch/model/tokenizer.py``), so a peer takes token ids, not text.
+config's field names. A byte model has no tokenizer files of its own:
+its token ids are the bytes (``minibatch/model/tokenizer.py``), so an offline peer takes token ids, not text.
+A server streams text, so ``--tokenizer`` (``tokenizer=True``) also writes ``tokenizer.json`` and
+``tokenizer_config.json``: a byte-level BPE (``write_byte_tokenizer``) whose ids are minibatch's, which
+``vllm serve OUT_DIR`` loads (``bench serve --peer vllm``, ``minibatch/bench/vllm_serve.py``).
 """
 from __future__ import annotations
 
@@ -93,9 +96,37 @@ def to_hf(model, n_positions: int | None = None):
     return hf.eval().requires_grad_(False)
 
 
-def export_hf(model, out_dir, force: bool = False) -> pathlib.Path:
-    """Write `model` as a GPT2LMHeadModel or LlamaForCausalLM directory (config.json, model.safetensors);
-    transformers not needed."""
+def bytes_to_unicode() -> dict:
+    """GPT-2's map of the 256 bytes to printable characters (its ``encoder.py``): a byte-level BPE's symbols.
+    The printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7f-0xa0, 0xad) are
+    shifted to U+0100.. so that no symbol is whitespace or a control a pre-tokenizer would drop."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = iter(range(256, 256 + 256 - len(keep)))
+    return {b: chr(b if b in keep else next(shifted)) for b in range(256)}
+
+
+def write_byte_tokenizer(out_dir, model_max_length: int) -> pathlib.Path:
+    """``tokenizer.json`` + ``tokenizer_config.json`` in `out_dir`: minibatch's tokenizer as a Hugging Face fast
+    tokenizer. A byte-level BPE with the 256 byte symbols as its vocabulary (id = the byte's value) and no
+    merges, so every byte is one token, as in ``minibatch/model/tokenizer.py``; no special tokens, none added
+    (the model has no BOS or EOS). Needs the ``tokenizers`` library (transformers' own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    symbol = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={symbol[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)   # text -> byte symbols
+    tok.decoder = decoders.ByteLevel()                  # symbols -> bytes -> text (invalid UTF-8 -> U+FFFD)
+    out = pathlib.Path(out_dir)
+    tok.save(str(out / "tokenizer.json"))
+    # clean_up_tokenization_spaces off: transformers would otherwise drop the space in " ." on decode.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export_hf(model, out_dir, force: bool = False, tokenizer: bool = False) -> pathlib.Path:
+    """Write `model` as a GPT2LMHeadModel or LlamaForCausalLM directory (config.json, model.safetensors, and with
+    `tokenizer` the byte tokenizer's files); transformers not needed."""
     from safetensors.torch import save_file
     out = pathlib.Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -107,6 +138,8 @@ def export_hf(model, out_dir, force: bool = False) -> pathlib.Path:
     config = {"architectures": [arch], "model_type": kind, "torch_dtype": "float32", **hf_config(model)}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer:
+        write_byte_tokenizer(out, model.config.n_ctx)
     return out
 
 
@@ -118,17 +151,21 @@ def main(argv=None) -> int:
     hf.add_argument("out_dir")
     hf.add_argument("--model", default="target", help=f"shipped model: one of {list(MODELS)}")
     hf.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    hf.add_argument("--tokenizer", action="store_true",
+                    help="also the byte tokenizer (tokenizer.json), for servers that stream text (vllm serve)")
     args = ap.parse_args(argv)
     from minibatch.model.weights import load_model
     try:
         if args.model not in MODELS:
             raise ValueError(f"unknown model {args.model!r}; choose one of {list(MODELS)}")
-        out = export_hf(load_model(args.model, device="cpu"), args.out_dir, force=args.force)
+        out = export_hf(load_model(args.model, device="cpu"), args.out_dir, force=args.force,
+                        tokenizer=args.tokenizer)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     arch = json.loads((out / "config.json").read_text())["architectures"][0]
-    print(f"wrote {args.model} as {arch} to {out}/ (config.json, model.safetensors)")
+    print(f"wrote {args.model} as {arch} to {out}/ (config.json, model.safetensors"
+          f"{', tokenizer.json' if args.tokenizer else ''})")
     return 0
 
 

@@ -52,3 +52,34 @@ def test_bad_exports_are_clear_errors(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         export.main(["onnx", str(tmp_path / "y")])
+
+
+TEXTS = ["def f(x):\n    return x  + 1\n", "  two leading spaces", " . , ' s n't", "\x00\x01\t\r\n\x0b\x7f\x80",
+         "héllo wörld — 日本語 🙂", "ß" * 3 + "\u00ad\u00a0"]
+BROKEN = [[0xe6, 0x97], [0xff, 0x41], [0xf0, 0x9f, 0x99], [0xc3, 0x28, 0x80, 0x80], [0xed, 0xa0, 0x80]]
+
+
+def test_the_byte_tokenizer_is_minibatchs(tmp_path):
+    """The exported tokenizer (what `vllm serve` streams text with) encodes and decodes exactly as
+    minibatch/model/tokenizer.py: every byte alone, text with multi-byte UTF-8 and the bytes GPT-2's map shifts,
+    and cut or invalid UTF-8 (both give U+FFFD alike); through transformers' loader too, as vLLM loads it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from minibatch.model.tokenizer import decode, encode
+    symbols = export.bytes_to_unicode()
+    assert len(set(symbols.values())) == 256 and symbols[ord(" ")] == "Ġ" and symbols[ord("a")] == "a"
+    export.write_byte_tokenizer(tmp_path, 512)
+    fast = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert fast.get_vocab_size() == 256
+    for b in range(256):
+        assert fast.decode([b]) == decode([b])
+        assert fast.id_to_token(b) == symbols[b]
+    for text in TEXTS:
+        assert fast.encode(text).ids == encode(text), text
+        assert fast.decode(encode(text)) == text
+    for ids in BROKEN:
+        assert fast.decode(ids) == decode(ids), ids
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert len(hf) == 256 and hf.bos_token_id is None and hf.eos_token_id is None
+    for text in TEXTS:
+        assert hf(text)["input_ids"] == encode(text) and hf.decode(encode(text)) == text, text

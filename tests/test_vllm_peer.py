@@ -118,3 +118,29 @@ def test_vllm_gives_minibatchs_greedy_tokens_on_the_llama(tmp_path):
         theirs, _ = p.run("plain", [encode(q) for q in prompts], max_tokens)
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a == b, f"llama, prompt {i} ({prompts[i]!r}): minibatch {a} vs vLLM {b}"
+
+
+@pytest.mark.slow                                                  # vllm serve starts: ~45-60 s on 2 busy cores
+def test_vllm_serve_streams_minibatchs_greedy_text(tmp_path, target_model):
+    """`vllm serve` on the export with the byte tokenizer (what `bench serve --peer vllm` drives): two streamed
+    completions, one prompt with non-ASCII UTF-8, give minibatch's greedy text, and its /metrics counted both
+    first tokens under the TTFT histogram the bench reads."""
+    openai = pytest.importorskip("openai")
+    why = vllm_venv.problem()
+    if why:
+        pytest.skip(f"vLLM's peer is not set up: {why}")
+    from minibatch.bench import serve, vllm_serve
+    prompts, n = ["class Stack:\n    def __init__(self):\n", "x = 'héllo wörld'\nprint("], 24
+    ours = [o.outputs[0].text for o in LLM(target_model, max_num_seqs=2).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)]
+    model_dir = export_hf(target_model, tmp_path / "target", tokenizer=True)
+    with vllm_serve.vllm_server(model_dir, target_model.config.n_ctx, max_num_seqs=2, timeout=240) as url:
+        before = serve.server_histograms(url)
+        client = openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=60)
+        for prompt, text in zip(prompts, ours):
+            chunks = [c.choices[0].text for c in client.completions.create(
+                model=vllm_serve.SERVED_NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True) if c.choices]
+            assert len(chunks) > 1 and "".join(chunks) == text, (prompt, chunks, text)
+        after = serve.server_histograms(url)
+    assert after["ttft"][1] - before["ttft"][1] == 2 and after["ttft"][0] > before["ttft"][0]
+    assert after["tpot"][1] - before["tpot"][1] == 2              # vLLM 0.32's request_time_per_output_token

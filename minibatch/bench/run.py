@@ -202,7 +202,7 @@ OTHERS = {"attention": "minibatch.bench.attention", "kv": "minibatch.bench.kv_ef
           "prefix": "minibatch.bench.prefix"}
 
 
-PEERS = ("peers", "vllm")      # benches with a --threads of their own (one count for both sides of each row)
+PEERS = ("peers", "vllm", "serve")   # benches with a --threads of their own (one count for both sides of each row)
 
 
 def main(argv=None):

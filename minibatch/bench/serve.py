@@ -1,6 +1,7 @@
 """Load generator: Poisson arrivals against a running ``python -m minibatch serve``, through the ``openai`` client.
 
     python -m minibatch.bench serve --rate 20 --duration 30 --concurrency 32 [--base-url http://127.0.0.1:8000/v1]
+    python -m minibatch.bench serve --peer vllm --rate 4 --num-requests 48 --duration 30 --repeats 3
 
 Arrivals form a Poisson process (exponential gaps of mean 1 / rate), as users
 sending requests at times nobody chooses do; that is the situation continuous
@@ -21,6 +22,13 @@ the server stamps a request's arrival when its handler starts and its first
 token when it is sampled, so the client's TTFT can only be longer, by the HTTP
 path and whatever the server makes it wait for (issue 35: with the engine in a
 thread of the server's process, the event loop's wait for the GIL).
+
+``--peer vllm`` measures that gap against vLLM's own on the same weights and machine (issue 47, item 5): it
+starts ``python -m minibatch serve`` (or uses ``--base-url``) and vLLM's server on the exported target
+(``minibatch/bench/vllm_serve.py``), sends each the same seeded load, alternating which goes first, for
+``--repeats`` rounds (round i's load seeded seed + i: a fresh one, so neither server's prefix cache holds it),
+and prints one table: per server, the client's TTFT mean, p50 and p90, the server's own TTFT mean, the gap,
+both TPOTs, and minibatch's gap over vLLM's, medians over the rounds with their min-max.
 """
 from __future__ import annotations
 
@@ -173,7 +181,8 @@ def server_histograms(base_url: str) -> Optional[dict]:
     if r.status_code != 200:
         return None
     out = {"ttft": [0.0, 0.0], "tpot": [0.0, 0.0]}
-    names = {"vllm:time_to_first_token_seconds": "ttft", "vllm:time_per_output_token_seconds": "tpot"}
+    names = {"vllm:time_to_first_token_seconds": "ttft", "vllm:time_per_output_token_seconds": "tpot",
+             "vllm:request_time_per_output_token_seconds": "tpot"}        # vLLM 0.32's name of the same
     for fam in text_string_to_metric_families(r.text):
         for smp in fam.samples:
             base, _, part = smp.name.rpartition("_")
@@ -258,7 +267,8 @@ def plot(run: dict, summary: dict, path) -> pathlib.Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minibatch.bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--base-url", default=None,
+                    help="the server (default http://127.0.0.1:8000/v1; with --peer, one started here)")
     ap.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second (Poisson)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds during which requests arrive")
     ap.add_argument("--concurrency", type=int, default=32, help="most requests in flight at once")
@@ -269,12 +279,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait past the last arrival")
     ap.add_argument("--out", default="out/serve-bench.png")
+    ap.add_argument("--peer", choices=["vllm"], default=None,
+                    help="also vLLM's server on the same weights: the client/server TTFT gaps side by side")
+    ap.add_argument("--repeats", type=int, default=1, help="--peer: rounds, alternating the servers")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="--peer: both servers' (minibatch serve's default)")
+    ap.add_argument("--threads", type=int, default=1, help="--peer: model threads of both servers")
     args = ap.parse_args(argv)
-    for name in ("rate", "duration", "concurrency", "num_requests", "min_tokens", "timeout"):
+    for name in ("rate", "duration", "concurrency", "num_requests", "min_tokens", "timeout", "repeats",
+                 "max_num_seqs", "threads"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.max_tokens < args.min_tokens:
         ap.error("--max-tokens must be >= --min-tokens")
+    if args.peer:                  # the servers are started there; the load is this module's, handed down
+        from minibatch.bench.vllm_serve import compare
+        return compare(args, lambda *a, **kw: measure(args, *a, **kw))
+    args.base_url = args.base_url or "http://127.0.0.1:8000/v1"
     import openai
     try:
         s = run_and_report(args)
@@ -295,4 +315,15 @@ def run_and_report(args) -> dict:
     print(format_summary(s))
     print(format_comparison(s, s["server"]))
     print(f"plot: {plot(run, s, args.out)}")
+    return s
+
+
+
+def measure(args, url: str, seed: int, num_requests: Optional[int] = None, rate: Optional[float] = None) -> dict:
+    """One seeded load on `url` (args' settings): its summary, with the server's own means over those requests."""
+    before = server_histograms(url)
+    s = summarize(asyncio.run(run_load(url, rate or args.rate, args.duration, args.concurrency,
+                                       num_requests or args.num_requests, (args.min_tokens, args.max_tokens),
+                                       args.temperature, seed, args.timeout)))
+    s["server"] = server_means(before, server_histograms(url))
     return s
