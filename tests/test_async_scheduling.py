@@ -87,8 +87,8 @@ def test_greedy_steps_chain_on_the_model_thread(target_model, sync_runs, backend
     from minibatch.engine.engine import LLMEngine
     fills, fill_from = [], LLMEngine._fill_from
 
-    def counted(prev, nxt):
-        got = fill_from(prev, nxt)
+    def counted(*args):
+        got = fill_from(*args)
         fills.append(got)
         return got
     monkeypatch.setattr(LLMEngine, "_fill_from", staticmethod(counted))

@@ -30,7 +30,6 @@ import contextlib
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,14 +38,9 @@ import time
 import numpy as np
 
 from minibatch.bench import vllm_venv
+from minibatch.distributed.comm import free_port
 
 SERVED_NAME = "target"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -294,14 +294,14 @@ class LLMEngine:
         t1 = time.perf_counter()
         done, self._in_flight = self._in_flight, None
         launched, greedy = None, bool(nxt.scheduled) and runner.greedy_on_worker(nxt)
-        if nxt.scheduled and done is not None and done[4]:
-            fill = self._fill_from(done[0], nxt)
-            if fill is not None:                      # N+1 behind N on the model's thread, its tokens from N's
-                ids = [t for s in nxt.scheduled for t in s.input_token_ids]
-                launched = self._launch(nxt, prepared, ids, greedy, (fill, done[2]))
+        chain = bool(nxt.scheduled) and done is not None and done[4]
+        ids = [t for s in nxt.scheduled for t in s.input_token_ids] if chain else None
+        fill = self._fill_from(done[0], nxt, ids) if chain else None
+        if fill is not None:                          # N+1 behind N on the model's thread, its tokens from N's
+            launched = self._launch(nxt, prepared, ids, greedy, (fill, done[2]))
         sampled = self._sample_in_flight(done) if done is not None else None
         if nxt.scheduled:
-            if launched is None:
+            if launched is None:                      # its placeholders resolved by the CPU: read them again
                 ids = [t for s in nxt.scheduled for t in s.input_token_ids]
                 launched = self._launch(nxt, prepared, ids, greedy)
             self._in_flight = (nxt, prepared, launched, (t0, t1), greedy)
@@ -311,20 +311,19 @@ class LLMEngine:
         return [] if sampled is None else self._update_in_flight(*sampled, cpu0)
 
     @staticmethod
-    def _fill_from(prev, nxt) -> Optional[list]:
+    def _fill_from(prev, nxt, ids: list) -> Optional[list]:
         """[(position in N+1's flat input ids, row of N's batch)] for each of N+1's placeholders, all of which
         must be tokens step N samples; None where one is not (then N+1 waits for the CPU's resolve)."""
         where = {s.seq.seq_id: b for b, s in enumerate(prev.scheduled) if s.placeholder_index is not None}
         fill, pos = [], 0
         for s in nxt.scheduled:
-            ids = s.input_token_ids
-            for j, t in enumerate(ids):
-                if t == PLACEHOLDER:
+            for j in range(s.num_new_tokens):         # the sequence's input ids: ids[pos:pos + num_new_tokens]
+                if ids[pos + j] == PLACEHOLDER:
                     b = where.get(s.seq.seq_id)
                     if b is None or s.num_computed_before + j != prev.scheduled[b].placeholder_index:
                         return None
                     fill.append((pos + j, b))
-            pos += len(ids)
+            pos += s.num_new_tokens
         return fill
 
     def _sample_in_flight(self, done) -> tuple:

@@ -123,9 +123,9 @@ class ModelRunner:
     def greedy_tokens(prepared, result) -> list:
         """The step's greedy tokens, one per scheduled sequence (None where it samples nothing: mid-prefill), as
         the CPU thread's ``Sampler`` takes them: argmax of the float logits of each sequence's one row."""
-        rows, logits = prepared[2], result[0] if isinstance(result, tuple) else result
+        rows = prepared[2]
         idx = [r[0] for r in rows if r]
-        best = iter(logits.float()[idx].argmax(-1).tolist() if idx else [])
+        best = iter(result.float()[idx].argmax(-1).tolist() if idx else [])
         return [next(best) if r else None for r in rows]
 
     @torch.inference_mode()
